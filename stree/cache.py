@@ -1,0 +1,179 @@
+"""Explicit inference state for tree decoding: committed states plus the last tree's activations.
+
+Verification never writes committed state. ``tree_forward`` leaves behind, per layer, what is needed
+to advance along any root-to-node path of its tree (``pending``); ``commit(path)`` then advances
+every layer along the accepted path: SSM layers by activation replay, conv states by a gather of
+the cached pre-conv inputs, attention layers by compacting the accepted nodes' K/V (which the tree
+forward wrote as scratch after each row's committed prefix).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stree.kernels import conv_replay, ssm_replay
+
+
+@dataclass
+class MambaLayerCache:
+    """Committed state of one Mamba2 layer, in mamba_ssm's layout.
+
+    conv_state: ``(b, conv_dim, d_conv)`` raw pre-conv inputs, newest in the last column.
+    ssm_state: ``(b, nheads, headdim, d_state)``.
+    """
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+
+    def row(self, b: int) -> "MambaLayerCache":
+        return MambaLayerCache(self.conv_state[b:b + 1], self.ssm_state[b:b + 1])
+
+    def reset(self) -> None:
+        self.conv_state.zero_()
+        self.ssm_state.zero_()
+
+
+@dataclass
+class AttentionLayerCache:
+    """Committed K/V of one attention layer: ``k, v (b, n_kv_heads, max_seqlen, head_dim)``.
+
+    Positions ``[0, lengths[b])`` are committed; a tree forward writes its nodes' K/V as scratch at
+    ``lengths[b] + i``.
+    """
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def row(self, b: int) -> "AttentionLayerCache":
+        return AttentionLayerCache(self.k[b:b + 1], self.v[b:b + 1])
+
+    def reset(self) -> None:
+        pass  # lengths define what is valid; stale K/V past them is never read
+
+
+@dataclass
+class MambaActivations:
+    """What one Mamba2 layer cached during a tree forward, for replay along any path.
+
+    xbc: ``(b, n, conv_dim)`` raw pre-conv inputs; x: ``(b, n, h, p)``; dt: ``(b, n, h)`` processed
+    (fp32); B: ``(b, n, g, s)``; A: ``(h,)`` fp32.
+    """
+    xbc: torch.Tensor
+    x: torch.Tensor
+    dt: torch.Tensor
+    B: torch.Tensor
+    A: torch.Tensor
+
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor) -> None:
+        ssm_replay(layer.ssm_state, self.x, self.dt, self.A, self.B, path)
+        conv_replay(layer.conv_state, self.xbc, path)
+
+
+@dataclass
+class AttentionActivations:
+    """Marker: the tree's K/V already sit as scratch in the layer's cache."""
+
+    def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor) -> None:
+        k = path.shape[1]
+        valid = path >= 0
+        src = lengths[:, None] + path.clamp(min=0)  # (b, k) scratch positions of accepted nodes
+        # padded slots copy the node itself onto a position past the new length: harmless
+        dst = lengths[:, None] + torch.arange(k, device=path.device)
+        src = torch.where(valid, src, dst)
+        for t in (layer.k, layer.v):
+            idx = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+            moved = t.gather(2, idx)  # gather first: sources and destinations overlap
+            t.scatter_(2, dst[:, None, :, None].expand_as(idx), moved)
+
+
+@dataclass
+class PendingTree:
+    tree: "object"  # stree.tree.TokenTree
+    layers: dict = field(default_factory=dict)  # layer index -> *Activations
+
+
+class TreeCache:
+    """All inference state of one patched model for a batch of ``b`` sequences.
+
+    Attributes:
+        layers: ``{layer_idx: MambaLayerCache | AttentionLayerCache}``.
+        lengths: ``(b,)`` int64 committed tokens per row (device); ``seqlens`` is its host mirror.
+        max_seqlen: capacity of the attention caches (committed tokens + one tree of scratch).
+        pending: activations of the last ``tree_forward``, consumed by :meth:`commit`.
+    """
+
+    def __init__(self, layers: dict, batch_size: int, max_seqlen: int, device):
+        self.layers = layers
+        self.batch_size = batch_size
+        self.max_seqlen = max_seqlen
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.seqlens = [0] * batch_size
+        self.pending: PendingTree | None = None
+
+    def row(self, b: int) -> "TreeCache":
+        """A view of row ``b`` sharing storage (used for ragged prefill)."""
+        view = TreeCache({i: c.row(b) for i, c in self.layers.items()}, 1, self.max_seqlen,
+                         self.lengths.device)
+        view.lengths = self.lengths[b:b + 1]
+        view.seqlens = [self.seqlens[b]]
+        return view
+
+    def reset(self) -> None:
+        for c in self.layers.values():
+            c.reset()
+        self.lengths.zero_()
+        self.seqlens = [0] * self.batch_size
+        self.pending = None
+
+    def check_room(self, new_tokens: int) -> None:
+        need = max(self.seqlens) + new_tokens
+        if need > self.max_seqlen:
+            raise ValueError(
+                f"sequence length {need} (committed {max(self.seqlens)} + {new_tokens} new) exceeds "
+                f"the cache's max_seqlen {self.max_seqlen}; allocate a larger cache")
+
+    def advance(self, counts: list[int]) -> None:
+        """Record that row b committed ``counts[b]`` more tokens."""
+        self.seqlens = [s + c for s, c in zip(self.seqlens, counts)]
+        self.lengths += torch.tensor(counts, dtype=torch.long, device=self.lengths.device)
+
+    def commit(self, path) -> None:
+        """Advance every layer along the accepted path of the last tree.
+
+        Args:
+            path: ``(b, k)`` node indices from the root (``path[:, 0] == 0``), each a child of the
+                previous one, -1 padded at the end for rows that accepted fewer nodes. A row of
+                all -1 commits nothing (a finished sequence).
+        """
+        if self.pending is None:
+            raise RuntimeError("commit() needs a tree_forward() first (nothing pending)")
+        tree = self.pending.tree
+        path = torch.as_tensor(path, dtype=torch.long, device=self.lengths.device)
+        if path.dim() == 1:
+            path = path.unsqueeze(0)
+        counts = _validate_path(path, tree, self.batch_size)
+        for idx, acts in self.pending.layers.items():
+            acts.commit(self.layers[idx], path, self.lengths)
+        self.advance(counts)
+        self.pending = None
+
+
+def _validate_path(path: torch.Tensor, tree, batch_size: int) -> list[int]:
+    if path.dim() != 2 or path.shape[0] != batch_size or path.shape[1] < 1:
+        raise ValueError(f"path must be (batch={batch_size}, k>=1), got {tuple(path.shape)}")
+    if path.shape[1] > tree.max_depth + 1:
+        raise ValueError(f"path of {path.shape[1]} nodes is longer than the tree's depth + 1 "
+                         f"({tree.max_depth + 1})")
+    p = path.tolist()
+    parents = tree.parents.tolist()
+    counts = []
+    for b, row in enumerate(p):
+        k = next((j for j, v in enumerate(row) if v < 0), len(row))
+        if any(v >= 0 for v in row[k:]):
+            raise ValueError(f"path row {b}: -1 padding must only appear at the end: {row}")
+        if k and row[0] != 0:
+            raise ValueError(f"path row {b} must start at the root (node 0), got {row[0]}")
+        for j in range(1, k):
+            if not 0 < row[j] < tree.num_nodes or parents[b][row[j]] != row[j - 1]:
+                raise ValueError(f"path row {b}: node {row[j]} is not a child of node {row[j - 1]}")
+        counts.append(k)
+    return counts

@@ -1,0 +1,142 @@
+"""Attention layers over a token tree: every tree node attends to its row's committed prefix and to
+its own ancestors (tree mask), at rotary position ``committed length + depth``.
+
+The tree's K/V are written as scratch right after each row's committed prefix, so attention reads
+one contiguous key range; ``TreeCache.commit`` later compacts the accepted nodes' K/V in place.
+Works for mamba_ssm's ``MHA`` (hybrids built with ``attn_layer_idx``) and for the Llama attention
+of ``stree.hybrid`` through a small adapter.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from stree._mamba import mamba_ssm  # noqa: F401
+from mamba_ssm.modules.mha import MHA
+
+from stree.cache import AttentionActivations, AttentionLayerCache
+
+
+class _MHAView:
+    """mamba_ssm ``MHA`` seen through the interface of ``stree.hybrid``'s attention."""
+
+    def __init__(self, m: MHA):
+        if m.d_conv > 0:
+            raise ValueError("MHA with d_conv > 0 (a conv over qkv) is not supported over trees")
+        if m.mlp_dim > 0:
+            raise ValueError("MHA with mlp_dim > 0 (a fused MLP branch) is not supported over trees")
+        if not m.causal:
+            raise ValueError("MHA layers of a causal LM must be built with causal=True")
+        self.m = m
+        self.num_heads, self.num_key_value_heads, self.head_dim = m.num_heads, m.num_heads_kv, m.head_dim
+        self.scale = m.softmax_scale if m.softmax_scale is not None else 1.0 / math.sqrt(m.head_dim)
+
+    def project_qkv(self, h):
+        qkv = self.m.in_proj(h)
+        hq, hkv, d = self.num_heads, self.num_key_value_heads, self.head_dim
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        shape = h.shape[:-1]
+        return q.view(*shape, hq, d), k.view(*shape, hkv, d), v.view(*shape, hkv, d)
+
+    def apply_rotary(self, q, k, positions):
+        dim = self.m.rotary_emb_dim
+        if dim == 0:
+            return q, k
+        rot = self.m.rotary_emb
+        inv_freq = 1.0 / (rot.base ** (torch.arange(0, dim, 2, device=q.device, dtype=torch.float32) / dim))
+        ang = positions.float()[..., None] * inv_freq  # (b, l, dim/2)
+        cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
+        return (_rotate(q, cos, sin, dim, rot.interleaved), _rotate(k, cos, sin, dim, rot.interleaved))
+
+    def o_proj(self, out):
+        return self.m.out_proj(out)
+
+
+def _rotate(x, cos, sin, dim, interleaved):
+    """flash-attn's rotary convention on the first ``dim`` channels (GPT-NeoX halves, or pairs)."""
+    xr, rest = x[..., :dim].float(), x[..., dim:]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def view(module):
+    """The attention adapter for a supported module, or None."""
+    if isinstance(module, MHA):
+        return _MHAView(module)
+    if hasattr(module, "project_qkv"):
+        return module
+    return None
+
+
+def scale_of(a) -> float:
+    return getattr(a, "scale", None) or getattr(a, "softmax_scale", None) or 1.0 / math.sqrt(a.head_dim)
+
+
+def allocate(a, batch_size: int, max_seqlen: int, dtype, device) -> AttentionLayerCache:
+    shape = (batch_size, a.num_key_value_heads, max_seqlen, a.head_dim)
+    return AttentionLayerCache(torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device))
+
+
+def tree_mask(tree, lengths: torch.Tensor, span: int) -> torch.Tensor:
+    """``(b, 1, n, span)`` bool: key j visible to node i iff j < lengths[b] (committed prefix) or
+    j = lengths[b] + a for an ancestor-or-self a of i. Built once per tree, shared by all layers."""
+    b, n = tree.tokens.shape
+    j = torch.arange(span, device=lengths.device)
+    rel = j[None, :] - lengths[:, None]  # (b, span) offset into the tree scratch
+    in_tree = (rel >= 0) & (rel < n)
+    anc = tree.mask.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, span))
+    visible = (rel[:, None, :] < 0) | (in_tree[:, None, :] & anc)
+    return visible[:, None]
+
+
+def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
+    k = cache.k[:, :, :span]
+    v = cache.v[:, :, :span]
+    rep = a.num_heads // a.num_key_value_heads
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale_of(a))
+    return out.transpose(1, 2).flatten(2)  # (b, l, hq * d)
+
+
+def _write(cache: AttentionLayerCache, k, v, pos):
+    """Write ``k, v (b, l, hkv, d)`` at positions ``pos (b, l)``."""
+    idx = pos[:, None, :, None].expand(-1, k.shape[2], -1, k.shape[3])
+    cache.k.scatter_(2, idx, k.transpose(1, 2).to(cache.k.dtype))
+    cache.v.scatter_(2, idx, v.transpose(1, 2).to(cache.v.dtype))
+
+
+def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, mask):
+    """Attention output ``(b, n, d_model)`` for the tree nodes ``h (b, n, d_model)``.
+
+    ``span`` = max committed length + n (keys read), ``mask`` from :func:`tree_mask`.
+    """
+    q, k, v = a.project_qkv(h)
+    pos = lengths[:, None] + tree.depth
+    q, k = a.apply_rotary(q, k, pos)
+    n = tree.num_nodes
+    _write(cache, k, v, lengths[:, None] + torch.arange(n, device=h.device))
+    return a.o_proj(_attend(a, q, cache, span, mask)), AttentionActivations()
+
+
+def prefill(a, h, cache: AttentionLayerCache, lengths):
+    """Causal attention for ``h (b, l, d_model)`` appended after each row's committed prefix (rows
+    must share one committed length); writes the K/V."""
+    b, l, _ = h.shape
+    start = int(lengths[0])
+    q, k, v = a.project_qkv(h)
+    pos = start + torch.arange(l, device=h.device).expand(b, l)
+    q, k = a.apply_rotary(q, k, pos)
+    _write(cache, k, v, pos)
+    span = start + l
+    mask = torch.ones(l, span, dtype=torch.bool, device=h.device).tril(diagonal=start)
+    return a.o_proj(_attend(a, q, cache, span, mask))

@@ -1,0 +1,142 @@
+"""Mamba2 mixers over a token tree (verification) and over a sequence (prefill), on explicit state.
+
+Works for mamba_ssm's own ``Mamba2`` and for MambaInLlama's GQA-shaped Mamba2 (``stree.hybrid``),
+through a small adapter that knows how each splits its projections. Everything per token (in_proj,
+gated norm, out_proj) is the module's own; only the sequence mixing changes: the causal conv runs
+along ancestor chains (``tree_conv``) and the SSM over the ancestor mask (``tree_scan``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from stree._mamba import mamba_ssm  # noqa: F401
+from mamba_ssm.modules.mamba2 import Mamba2
+from mamba_ssm.ops.triton.layernorm_gated import RMSNorm as RMSNormGated
+from mamba_ssm.ops.triton.layernorm_gated import rms_norm_ref as gated_rms_norm_ref
+
+from stree.cache import MambaActivations, MambaLayerCache
+from stree.kernels import tree_conv, tree_scan
+from stree.kernels.chunk_scan import chunk_scan
+
+
+class _Parts:
+    """Uniform view of a Mamba2-type mixer: how to split projections and finish the output."""
+
+    def __init__(self, m):
+        self.m = m
+        self.gqa = hasattr(m, "split_xbc")  # stree.hybrid's MambaInLlama layer
+        act = getattr(m, "activation", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Mamba2 conv activation {act!r} is not supported (only silu)")
+
+    # in_proj output -> (z, xBC, dt, (z0, x0) or None)
+    def split(self, zxbcdt):
+        m = self.m
+        if self.gqa:
+            z, xbc, dt = m.split_zxbcdt(zxbcdt)
+            return z, xbc, dt, None
+        d_mlp = (zxbcdt.shape[-1] - 2 * m.d_ssm - 2 * m.ngroups * m.d_state - m.nheads) // 2
+        z0, x0, z, xbc, dt = torch.split(
+            zxbcdt, [d_mlp, d_mlp, m.d_ssm, m.d_ssm + 2 * m.ngroups * m.d_state, m.nheads], dim=-1)
+        return z, xbc, dt, ((z0, x0) if d_mlp > 0 else None)
+
+    # conv output -> x (b,l,h,p), B (b,l,g,s), C (b,l,g,s)
+    def split_xbc(self, xbc):
+        m = self.m
+        if self.gqa:
+            return m.split_xbc(xbc)
+        x, B, C = torch.split(xbc, [m.d_ssm, m.ngroups * m.d_state, m.ngroups * m.d_state], dim=-1)
+        return (rearrange(x, "b l (h p) -> b l h p", p=m.headdim),
+                rearrange(B, "b l (g n) -> b l g n", g=m.ngroups),
+                rearrange(C, "b l (g n) -> b l g n", g=m.ngroups))
+
+    @property
+    def D(self):
+        m = self.m
+        D = m.D
+        return rearrange(D, "(h p) -> h p", p=m.headdim) if D.dim() == 1 and D.numel() != m.nheads else D
+
+    def finish(self, y, z, mlp_in):
+        """Gated norm (or silu gate already applied in the scan), optional MLP half, out_proj."""
+        m = self.m
+        y = rearrange(y, "b l h p -> b l (h p)")
+        if getattr(m, "rmsnorm", True):
+            y = _gated_norm(m.norm, y, z)
+        if mlp_in is not None:
+            z0, x0 = mlp_in
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return m.out_proj(y)
+
+    @property
+    def z_in_scan(self) -> bool:
+        return not getattr(self.m, "rmsnorm", True)
+
+
+def _gated_norm(norm, y, z):
+    # mamba_ssm's gated RMSNorm is a Triton kernel; off-GPU use its own PyTorch reference
+    if isinstance(norm, RMSNormGated) and not y.is_cuda:
+        return gated_rms_norm_ref(y, norm.weight, norm.bias, z=z, eps=norm.eps,
+                                  group_size=norm.group_size, norm_before_gate=norm.norm_before_gate,
+                                  upcast=True)
+    return norm(y, z)
+
+
+def is_mamba2(module) -> bool:
+    return isinstance(module, Mamba2) or hasattr(module, "split_xbc")
+
+
+def allocate(m, batch_size: int, dtype=None) -> MambaLayerCache:
+    """Zero committed state shaped like mamba_ssm's ``allocate_inference_cache``."""
+    conv_dtype = m.conv1d.weight.dtype if dtype is None else dtype
+    ssm_dtype = m.in_proj.weight.dtype if dtype is None else dtype
+    dev = m.in_proj.weight.device
+    conv_dim = m.conv1d.weight.shape[0]
+    # channels-last view, like mamba_ssm (causal_conv1d_update expects stride(1) == 1)
+    conv = torch.zeros(batch_size, m.d_conv, conv_dim, device=dev, dtype=conv_dtype).transpose(1, 2)
+    ssm = torch.zeros(batch_size, m.nheads, m.headdim, m.d_state, device=dev, dtype=ssm_dtype)
+    return MambaLayerCache(conv, ssm)
+
+
+def tree_forward(m, u, state: MambaLayerCache, tree, impl: str = "auto"):
+    """Mixer output for every tree node from the committed state, without writing it.
+
+    Args:
+        m: the Mamba2 module; u: ``(b, n, d_model)`` normalised hidden states of the tree nodes.
+    Returns:
+        ``(out (b, n, d_model), MambaActivations)`` — the latter is what replay needs.
+    """
+    parts = _Parts(m)
+    z, xbc, dt, mlp_in = parts.split(m.in_proj(u))
+    w = m.conv1d.weight.shape[-1]
+    conv_out = tree_conv(xbc, state.conv_state, m.conv1d.weight.squeeze(1), m.conv1d.bias,
+                         tree.conv_window(w), activation="silu", impl=impl)
+    x, B, C = parts.split_xbc(conv_out)
+    A = -torch.exp(m.A_log.float())
+    z_scan = rearrange(z, "b l (h p) -> b l h p", p=m.headdim) if parts.z_in_scan else None
+    y, dt_proc = tree_scan(x, dt, A, B, C, tree.mask, D=parts.D, z=z_scan, dt_bias=m.dt_bias,
+                           dt_softplus=True, dt_limit=tuple(m.dt_limit),
+                           initial_states=state.ssm_state, impl=impl)
+    out = parts.finish(y, z, mlp_in)
+    return out, MambaActivations(xbc=xbc, x=x, dt=dt_proc, B=B, A=A)
+
+
+def prefill(m, u, state: MambaLayerCache):
+    """Run ``u (b, l, d_model)`` through the mixer from the committed state and commit it."""
+    parts = _Parts(m)
+    z, xbc, dt, mlp_in = parts.split(m.in_proj(u))
+    b, l, c = xbc.shape
+    w = m.conv1d.weight.shape[-1]
+    conv_state = state.conv_state
+    ext = torch.cat([conv_state[:, :, 1:].to(xbc.dtype), xbc.transpose(1, 2)], dim=2)  # (b, c, w-1+l)
+    conv_out = F.conv1d(ext, m.conv1d.weight, m.conv1d.bias, groups=c)  # (b, c, l)
+    conv_state.copy_(torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=2)[:, :, -w:])
+    x, B, C = parts.split_xbc(F.silu(conv_out).transpose(1, 2))
+    A = -torch.exp(m.A_log.float())
+    z_scan = rearrange(z, "b l (h p) -> b l h p", p=m.headdim) if parts.z_in_scan else None
+    y, final = chunk_scan(x, dt, A, B, C, D=parts.D, z=z_scan, dt_bias=m.dt_bias,
+                          dt_softplus=True, dt_limit=tuple(m.dt_limit),
+                          initial_states=state.ssm_state, chunk_size=getattr(m, "chunk_size", 256))
+    state.ssm_state.copy_(final)
+    return parts.finish(y, z, mlp_in)

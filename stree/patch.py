@@ -1,0 +1,200 @@
+"""``stree.patch(model)``: give a mamba_ssm ``MambaLMHeadModel`` (Mamba2 and MHA layers) or a
+``stree.hybrid`` MambaInLlama model the tree-decoding API, in place, without touching its own
+``forward`` / ``generate``.
+
+The model's class is swapped for a subclass that mixes in :class:`TreeDecodingMixin`, so the only
+change is three new methods; the model's own code paths are untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+from stree._mamba import mamba_ssm  # noqa: F401
+from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_norm_fn, RMSNorm
+
+from stree.cache import PendingTree, TreeCache
+from stree.layers import attention, mamba2
+from stree.tree import TokenTree
+
+
+class TreeDecodingMixin:
+    """Methods added by :func:`stree.patch`. See ``docs/ARCHITECTURE.md`` for the contract."""
+
+    def allocate_tree_cache(self, batch_size: int, max_seqlen: int, dtype=None) -> TreeCache:
+        """Zero state for ``batch_size`` sequences of up to ``max_seqlen`` tokens (prompt,
+        generated tokens and one tree of scratch for attention layers)."""
+        if batch_size < 1 or max_seqlen < 1:
+            raise ValueError(f"batch_size and max_seqlen must be positive, got {batch_size}, {max_seqlen}")
+        layers = {}
+        for idx, mixer in _stree_mixers(self):
+            if mamba2.is_mamba2(mixer):
+                layers[idx] = mamba2.allocate(mixer, batch_size, dtype)
+            else:
+                a = attention.view(mixer)
+                w = _first_weight(mixer)
+                layers[idx] = attention.allocate(a, batch_size, max_seqlen, dtype or w.dtype, w.device)
+        return TreeCache(layers, batch_size, max_seqlen, _first_weight(self).device)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids, cache: TreeCache) -> torch.Tensor:
+        """Run prompts through the model from the committed state and commit them.
+
+        Args:
+            input_ids: ``(b, l)`` tensor, or a list of ``b`` 1-D tensors of different lengths.
+        Returns:
+            logits ``(b, l, vocab)`` (for a list: ``(b, max_l, vocab)``, right-padded with NaN).
+        """
+        if cache.pending is not None:
+            cache.pending = None  # an uncommitted tree is abandoned
+        if isinstance(input_ids, (list, tuple)):
+            rows = [torch.as_tensor(r, device=cache.lengths.device).long().view(-1) for r in input_ids]
+            if len(rows) != cache.batch_size:
+                raise ValueError(f"{len(rows)} prompts for a cache of batch size {cache.batch_size}")
+            outs = []
+            for b, r in enumerate(rows):
+                row = cache.row(b)
+                outs.append(self.prefill(r[None], row)[0])
+                cache.seqlens[b] = row.seqlens[0]
+            width = max(o.shape[0] for o in outs)
+            return torch.stack([torch.cat([o, o.new_full((width - o.shape[0], o.shape[1]), float("nan"))])
+                                for o in outs])
+        input_ids = _check_ids(self, input_ids, cache)
+        if len(set(cache.seqlens)) != 1:
+            raise ValueError("prefill of a (b, l) tensor needs rows with equal committed lengths; "
+                             "pass a list of 1-D prompts to prefill rows separately")
+        cache.check_room(input_ids.shape[1])
+
+        def run(idx, mixer, h):
+            state = cache.layers[idx]
+            if mamba2.is_mamba2(mixer):
+                return mamba2.prefill(mixer, h, state)
+            return attention.prefill(attention.view(mixer), h, state, cache.lengths)
+
+        logits = _stree_walk(self, input_ids, run)
+        cache.advance([input_ids.shape[1]] * cache.batch_size)
+        return logits
+
+    @torch.inference_mode()
+    def tree_forward(self, tree: TokenTree, cache: TreeCache, impl: str = "auto") -> torch.Tensor:
+        """Logits ``(b, n, vocab)`` for every node of ``tree`` from the committed state.
+
+        Node i's logits are the model's next-token logits after the committed sequence followed by
+        the root-to-i path. Committed state is not changed; ``cache.commit(path)`` advances it.
+        """
+        if not isinstance(tree, TokenTree):
+            raise TypeError(f"tree must be a stree.TokenTree, got {type(tree).__name__}")
+        if tree.batch_size != cache.batch_size:
+            raise ValueError(f"tree batch {tree.batch_size} != cache batch {cache.batch_size}")
+        vocab = _vocab_size(self)
+        if int(tree.tokens.max()) >= vocab:
+            raise ValueError(f"tree token {int(tree.tokens.max())} out of range for vocab size {vocab}")
+        cache.check_room(tree.num_nodes)
+        tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
+        span = max(cache.seqlens) + tree.num_nodes
+        shared = {}
+        pending = PendingTree(tree)
+
+        def run(idx, mixer, h):
+            state = cache.layers[idx]
+            if mamba2.is_mamba2(mixer):
+                out, acts = mamba2.tree_forward(mixer, h, state, tree, impl=impl)
+            else:
+                if "mask" not in shared:  # one mask per tree, shared by every attention layer
+                    shared["mask"] = attention.tree_mask(tree, cache.lengths, span)
+                out, acts = attention.tree_forward(attention.view(mixer), h, state, tree,
+                                                   cache.lengths, span, shared["mask"])
+            pending.layers[idx] = acts
+            return out
+
+        logits = _stree_walk(self, tree.tokens, run)
+        cache.pending = pending
+        return logits
+
+
+def patch(model):
+    """Add ``allocate_tree_cache``, ``prefill`` and ``tree_forward`` to ``model`` (in place).
+
+    Idempotent; returns the model. Raises ``TypeError`` for unsupported models or layer types.
+    """
+    if isinstance(model, TreeDecodingMixin):
+        return model
+    mixers = _stree_mixers(model)  # raises for unsupported models
+    for idx, mixer in mixers:
+        if not (mamba2.is_mamba2(mixer) or attention.view(mixer) is not None):
+            raise TypeError(
+                f"layer {idx}: {type(mixer).__name__} is not supported by stree "
+                "(supported: mamba_ssm Mamba2, mamba_ssm MHA, stree.hybrid Mamba2/attention)")
+        if not mamba2.is_mamba2(mixer):
+            attention.view(mixer)  # validates MHA options
+    cls = model.__class__
+    model.__class__ = type(f"STree{cls.__name__}", (TreeDecodingMixin, cls), {})
+    return model
+
+
+# ------------------------------------------------------------------------------ model families
+def _stree_mixers(model):
+    """``[(layer_idx, mixer_module)]`` of a supported model."""
+    if isinstance(model, MambaLMHeadModel):
+        return [(i, blk.mixer) for i, blk in enumerate(model.backbone.layers)]
+    if hasattr(model, "stree_mixers"):
+        return list(model.stree_mixers())
+    raise TypeError(f"stree.patch supports mamba_ssm MambaLMHeadModel and stree.hybrid models, "
+                    f"not {type(model).__name__}")
+
+
+def _stree_walk(model, input_ids, run_mixer):
+    """Run the model's layers with each sequence mixer replaced by ``run_mixer(idx, mixer, h)``."""
+    if isinstance(model, MambaLMHeadModel):
+        return _walk_mamba_lm(model, input_ids, run_mixer)
+    return model.stree_walk(input_ids, run_mixer)
+
+
+def _walk_mamba_lm(model, input_ids, run_mixer):
+    """mamba_ssm's MixerModel/Block forward (Add -> Norm -> Mixer [-> Add -> Norm -> MLP])."""
+    bb = model.backbone
+    h = bb.embedding(input_ids)
+    residual = None
+    for i, blk in enumerate(bb.layers):
+        h, residual = _add_norm(h, residual, blk.norm, blk.residual_in_fp32)
+        h = run_mixer(i, blk.mixer, h)
+        if blk.mlp is not None:
+            h, residual = _add_norm(h, residual, blk.norm2, blk.residual_in_fp32)
+            h = blk.mlp(h)
+    h, _ = _add_norm(h, residual, bb.norm_f, bb.residual_in_fp32 if hasattr(bb, "residual_in_fp32") else False)
+    return model.lm_head(h).float()
+
+
+def _add_norm(h, residual, norm, residual_in_fp32):
+    """``residual += h; h = norm(residual)`` with mamba_ssm's fused kernel on CUDA, its PyTorch
+    reference elsewhere."""
+    is_rms = isinstance(norm, RMSNorm)
+    if h.is_cuda:
+        return layer_norm_fn(h, norm.weight, norm.bias, residual=residual, prenorm=True,
+                             residual_in_fp32=residual_in_fp32, eps=norm.eps, is_rms_norm=is_rms)
+    ref = rms_norm_ref if is_rms else layer_norm_ref
+    out, res = ref(h, norm.weight, norm.bias, residual=residual, eps=norm.eps, prenorm=True, upcast=True)
+    if residual_in_fp32:
+        res = res.float()
+    return out.to(h.dtype), res
+
+
+def _first_weight(module):
+    return next(module.parameters())
+
+
+def _vocab_size(model) -> int:
+    return model.lm_head.weight.shape[0]
+
+
+def _check_ids(model, input_ids, cache) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, device=cache.lengths.device).long()
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != cache.batch_size:
+        raise ValueError(f"input_ids must be (batch={cache.batch_size}, l), got {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError("empty prompt: prefill needs at least one token")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= _vocab_size(model)):
+        raise ValueError(f"token ids must lie in [0, {_vocab_size(model)})")
+    return ids

@@ -1,0 +1,214 @@
+"""TokenTree: a batch of packed, topologically ordered draft trees and the tables built from them.
+
+A tree is given by its tokens and a parent list. Node 0 is the root: the last committed token,
+which the target has not seen yet. Every other node's parent comes before it (``parents[i] < i``),
+so the packing is topological and the ancestor mask is lower triangular.
+
+Every table (depth, ancestor mask, root-to-node paths, conv windows) is built once per tree here
+and shared by every layer of every model that runs over the tree.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+MAX_TREE_NODES = 1024
+
+
+class TokenTree:
+    """A batch of ``b`` trees of ``n`` nodes each (one template size; parents may differ per row).
+
+    Args:
+        tokens: ``(n,)`` or ``(b, n)`` integer token ids, ``tokens[..., 0]`` is the root.
+        parents: ``(n,)`` or ``(b, n)`` parent indices, ``parents[..., 0] == -1`` and
+            ``0 <= parents[..., i] < i``. A 1-D parent list is shared by every row.
+        vocab_size: if given, tokens must lie in ``[0, vocab_size)``.
+        max_nodes: refuse trees larger than this.
+
+    Attributes (all ``(b, ...)``, on the tokens' device):
+        tokens, parents: ``(b, n)`` int64.
+        depth: ``(b, n)`` int64, root depth 0.
+        mask: ``(b, n, n)`` bool, ``mask[b, i, j]`` iff node j is on the root-to-i path (i included).
+        paths: ``(b, n, max_depth + 1)`` int64, root-to-node node indices, -1 padded at the end.
+        max_depth: int, deepest node's depth over the batch.
+    """
+
+    def __init__(self, tokens, parents, *, vocab_size: int | None = None,
+                 max_nodes: int = MAX_TREE_NODES):
+        tokens = _as_long_tensor(tokens, "tokens")
+        device = tokens.device
+        parents = _as_long_tensor(parents, "parents").to(device)
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (n,) or (b, n), got shape {tuple(tokens.shape)}")
+        b, n = tokens.shape
+        if n == 0:
+            raise ValueError("empty tree: a tree needs at least its root node")
+        if n > max_nodes:
+            raise ValueError(f"tree of {n} nodes exceeds the limit of {max_nodes} nodes")
+        if parents.dim() == 1:
+            parents = parents.unsqueeze(0).expand(b, -1)
+        if parents.dim() != 2 or parents.shape[1] != n or parents.shape[0] not in (1, b):
+            raise ValueError(
+                f"parents must be (n,) or (b, n) matching tokens {tuple(tokens.shape)}, "
+                f"got {tuple(parents.shape)}")
+        parents = parents.expand(b, n).contiguous()
+        _validate(tokens, parents, vocab_size)
+
+        self.tokens = tokens.contiguous()
+        self.parents = parents
+        self.depth, self.paths = _depth_and_paths(parents)
+        self.max_depth = self.paths.shape[-1] - 1
+        self.mask = _ancestor_mask(self.paths, n)
+        self._windows: dict[int, torch.Tensor] = {}
+        self._children: list[list[list[int]]] | None = None
+
+    # ----------------------------------------------------------------------------------- builders
+    @classmethod
+    def from_widths(cls, tokens, widths: Sequence[int], **kwargs) -> "TokenTree":
+        """Tree whose layer ``d`` (below the root) has ``widths[d-1]`` nodes, each attached to the
+        nodes of the layer above round-robin (node ``j`` of a layer hangs from node ``j % w_prev``
+        of the previous one). See :func:`parents_from_widths`."""
+        return cls(tokens, parents_from_widths(widths), **kwargs)
+
+    @classmethod
+    def chain(cls, tokens, **kwargs) -> "TokenTree":
+        """A single path: node i's parent is i - 1."""
+        t = _as_long_tensor(tokens, "tokens")
+        n = t.shape[-1]
+        return cls(t, torch.arange(-1, n - 1, device=t.device), **kwargs)
+
+    # ------------------------------------------------------------------------------------ queries
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def conv_window(self, width: int) -> torch.Tensor:
+        """``(b, n, width)`` int64 gather table for a causal conv of ``width`` taps over the tree.
+
+        Indexes ``ext = [last width-1 committed inputs, tree inputs]`` (length ``width-1+n``):
+        ``window[b, i, width-1] = width-1+i`` (the node itself) and ``window[b, i, k]`` is the
+        position of the ``(width-1-k)``-th ancestor, continuing into the committed inputs when the
+        path above node i is shorter than the window.
+        """
+        if width not in self._windows:
+            b, n = self.tokens.shape
+            lag = torch.arange(width - 1, -1, -1, device=self.device)  # ancestor order per tap
+            depth = self.depth.unsqueeze(-1)  # (b, n, 1)
+            # k-th ancestor of a node at depth d is paths[d - k] when k <= d
+            idx = (depth - lag).clamp(min=0)  # (b, n, width)
+            in_tree = self.paths.gather(2, idx) + (width - 1)
+            in_state = (width - 1) + depth - lag  # index into committed part when lag > depth
+            self._windows[width] = torch.where(lag <= depth, in_tree, in_state)
+        return self._windows[width]
+
+    def children(self, row: int, node: int) -> list[int]:
+        """Children of ``node`` in row ``row``, in index (= draft) order. Host-side helper."""
+        if self._children is None:
+            par = self.parents.tolist()
+            kids = [[[] for _ in range(self.num_nodes)] for _ in range(self.batch_size)]
+            for r, row_par in enumerate(par):
+                for i, p in enumerate(row_par[1:], start=1):
+                    kids[r][p].append(i)
+            self._children = kids
+        return self._children[row][node]
+
+    def path_tokens(self, path: torch.Tensor) -> torch.Tensor:
+        """Tokens along node-index paths ``(b, k)`` (-1 padded); padding gives -1."""
+        tok = self.tokens.gather(1, path.clamp(min=0))
+        return torch.where(path >= 0, tok, torch.full_like(tok, -1))
+
+    def to(self, device) -> "TokenTree":
+        return TokenTree(self.tokens.to(device), self.parents.to(device))
+
+    def __repr__(self) -> str:
+        return f"TokenTree(batch={self.batch_size}, nodes={self.num_nodes}, depth={self.max_depth})"
+
+
+def parents_from_widths(widths: Sequence[int]) -> list[int]:
+    """Parent list of a layered tree: root, then ``widths[0]`` children of the root, then
+    ``widths[1]`` nodes hanging round-robin from the previous layer, and so on.
+
+    ``[3, 3, 3, 3]`` gives three disjoint chains below the root (13 nodes); ``[2, 4, 8]`` a
+    full binary tree of depth 3 (15 nodes).
+    """
+    if not widths or any(int(w) < 1 for w in widths):
+        raise ValueError(f"widths must be a non-empty list of positive ints, got {list(widths)}")
+    parents = [-1]
+    prev = [0]
+    for w in widths:
+        start = len(parents)
+        parents.extend(prev[j % len(prev)] for j in range(int(w)))
+        prev = list(range(start, start + int(w)))
+    return parents
+
+
+# --------------------------------------------------------------------------------------- helpers
+def _as_long_tensor(value, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
+        return value.long()
+    try:
+        return torch.as_tensor(value, dtype=torch.long)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be a rectangular list of ints ({err})") from None
+
+
+def _validate(tokens: torch.Tensor, parents: torch.Tensor, vocab_size: int | None) -> None:
+    n = tokens.shape[1]
+    if (tokens < 0).any():
+        raise ValueError("tokens must be non-negative")
+    if vocab_size is not None and (tokens >= vocab_size).any():
+        raise ValueError(f"token id {int(tokens.max())} out of range for vocab_size {vocab_size}")
+    if (parents[:, 0] != -1).any():
+        raise ValueError("parents[0] must be -1: node 0 is the root")
+    if n > 1:
+        rest = parents[:, 1:]
+        if (rest == -1).any():
+            raise ValueError("several roots: only node 0 may have parent -1")
+        idx = torch.arange(1, n, device=parents.device)
+        if ((rest < 0) | (rest >= idx)).any():
+            bad = int(((rest < 0) | (rest >= idx)).nonzero()[0, 1]) + 1
+            raise ValueError(
+                f"node {bad} has parent {int(rest[((rest < 0) | (rest >= idx)).nonzero()[0, 0], bad - 1])}: "
+                "every parent must come before its child (0 <= parents[i] < i)")
+
+
+def _depth_and_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth and root-to-node paths by pointer jumping along parents (one pass per tree level)."""
+    b, n = parents.shape
+    node = torch.arange(n, device=parents.device).expand(b, n)
+    chain = [node]  # chain[k] = k-th ancestor (or -1)
+    cur = node
+    while True:
+        nxt = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur)
+        if (nxt < 0).all():
+            break
+        chain.append(nxt)
+        cur = nxt
+    up = torch.stack(chain, dim=-1)  # (b, n, max_depth + 1): node, parent, grandparent, ...
+    depth = (up >= 0).sum(-1) - 1
+    # reverse each row's valid prefix so paths start at the root: paths[i, j] = up[i, depth - j]
+    j = torch.arange(up.shape[-1], device=parents.device)
+    src = (depth.unsqueeze(-1) - j).clamp(min=0)
+    paths = torch.where(j <= depth.unsqueeze(-1), up.gather(2, src), torch.full_like(up, -1))
+    return depth, paths
+
+
+def _ancestor_mask(paths: torch.Tensor, n: int) -> torch.Tensor:
+    b = paths.shape[0]
+    mask = torch.zeros(b, n, n + 1, dtype=torch.bool, device=paths.device)
+    # -1 padding lands in the extra column n, dropped below
+    mask.scatter_(2, torch.where(paths >= 0, paths, n), True)
+    return mask[:, :, :n]
