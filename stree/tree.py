@@ -178,11 +178,11 @@ def _validate(tokens: torch.Tensor, parents: torch.Tensor, vocab_size: int | Non
         if (rest == -1).any():
             raise ValueError("several roots: only node 0 may have parent -1")
         idx = torch.arange(1, n, device=parents.device)
-        if ((rest < 0) | (rest >= idx)).any():
-            bad = int(((rest < 0) | (rest >= idx)).nonzero()[0, 1]) + 1
-            raise ValueError(
-                f"node {bad} has parent {int(rest[((rest < 0) | (rest >= idx)).nonzero()[0, 0], bad - 1])}: "
-                "every parent must come before its child (0 <= parents[i] < i)")
+        bad = (rest < 0) | (rest >= idx)
+        if bad.any():
+            r, i = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"node {i + 1} of row {r} has parent {int(rest[r, i])}: every parent "
+                             "must come before its child (0 <= parents[i] < i)")
 
 
 def _depth_and_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -171,3 +171,16 @@ def test_patched_forward_is_unchanged_and_patch_is_idempotent():
     assert stree.patch(patched) is patched is model
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_chain_tree_equals_the_models_own_chunked_forward_with_dt_limit():
+    """dt_limit is honoured by mamba_ssm's chunked path (not by Mamba2.step): a chain tree after a
+    prefill must equal the unmodified model's full-sequence forward."""
+    model = stree.patch(make_model(seed=7, dt_limit=(0.02, 0.08)))
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        full = model(ids).logits[0]
+    cache = model.allocate_tree_cache(1, 32)
+    prefix = model.prefill(ids[:, :5], cache)[0]
+    chain = model.tree_forward(TokenTree.chain(ids[0, 5:]), cache)[0]
+    close(torch.cat([prefix, chain]), full, "prefill + chain tree vs chunked forward")
