@@ -25,6 +25,14 @@ class MambaLayerCache:
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
 
+    @classmethod
+    def zeros(cls, batch_size, conv_dim, d_conv, nheads, headdim, d_state, *, dtype, device,
+              state_dtype=None):
+        # channels-last conv state like mamba_ssm: causal-conv1d's update kernel expects stride(1) == 1
+        conv = torch.zeros(batch_size, d_conv, conv_dim, dtype=dtype, device=device).transpose(1, 2)
+        ssm = torch.zeros(batch_size, nheads, headdim, d_state, dtype=state_dtype or dtype, device=device)
+        return cls(conv, ssm)
+
     def row(self, b: int) -> "MambaLayerCache":
         return MambaLayerCache(self.conv_state[b:b + 1], self.ssm_state[b:b + 1])
 
@@ -42,6 +50,12 @@ class AttentionLayerCache:
     """
     k: torch.Tensor
     v: torch.Tensor
+
+    @classmethod
+    def zeros(cls, batch_size, num_kv_heads, max_seqlen, head_dim, *, dtype, device):
+        shape = (batch_size, num_kv_heads, max_seqlen, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))
 
     def row(self, b: int) -> "AttentionLayerCache":
         return AttentionLayerCache(self.k[b:b + 1], self.v[b:b + 1])

@@ -69,7 +69,7 @@ class TreeDecodingMixin:
             state = cache.layers[idx]
             if mamba2.is_mamba2(mixer):
                 return mamba2.prefill(mixer, h, state)
-            return attention.prefill(attention.view(mixer), h, state, cache.lengths)
+            return attention.prefill(attention.view(mixer), h, state, cache.seqlens[0])
 
         logits = _stree_walk(self, input_ids, run)
         cache.advance([input_ids.shape[1]] * cache.batch_size)

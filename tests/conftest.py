@@ -14,6 +14,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the tests' tensors are tiny: a second thread only adds synchronisation (seen 100x slower
+    # when the other core is busy)
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

@@ -128,11 +128,10 @@ def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, mas
     return a.o_proj(_attend(a, q, cache, span, mask)), AttentionActivations()
 
 
-def prefill(a, h, cache: AttentionLayerCache, lengths):
-    """Causal attention for ``h (b, l, d_model)`` appended after each row's committed prefix (rows
-    must share one committed length); writes the K/V."""
+def prefill(a, h, cache: AttentionLayerCache, start: int):
+    """Causal attention for ``h (b, l, d_model)`` appended after the committed prefix of length
+    ``start`` (shared by all rows); writes the K/V."""
     b, l, _ = h.shape
-    start = int(lengths[0])
     q, k, v = a.project_qkv(h)
     pos = start + torch.arange(l, device=h.device).expand(b, l)
     q, k = a.apply_rotary(q, k, pos)

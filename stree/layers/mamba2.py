@@ -88,14 +88,10 @@ def is_mamba2(module) -> bool:
 
 
 def allocate(m, batch_size: int, dtype=None) -> MambaLayerCache:
-    """Zero committed state shaped like mamba_ssm's ``allocate_inference_cache``."""
-    conv_dtype = m.conv1d.weight.dtype if dtype is None else dtype
-    ssm_dtype = m.in_proj.weight.dtype if dtype is None else dtype
-    dev = m.in_proj.weight.device
-    conv_dim = m.conv1d.weight.shape[0]
-    # channels-last view, like mamba_ssm (causal_conv1d_update expects stride(1) == 1)
-    conv = torch.zeros(batch_size, m.d_conv, conv_dim, device=dev, dtype=conv_dtype).transpose(1, 2)
-    ssm = torch.zeros(batch_size, m.nheads, m.headdim, m.d_state, device=dev, dtype=ssm_dtype)
+    """Zero committed state from the module's own allocator (mamba_ssm's layout and dtypes)."""
+    if hasattr(m, "allocate_cache"):  # stree.hybrid
+        return m.allocate_cache(batch_size, dtype=dtype)
+    conv, ssm = m.allocate_inference_cache(batch_size, 1, dtype=dtype)
     return MambaLayerCache(conv, ssm)
 
 

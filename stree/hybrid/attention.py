@@ -1,0 +1,71 @@
+"""Llama attention (GQA, no bias, RoPE with HF rope_scaling) with an explicit-position KV cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import AttentionLayerCache
+from .rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    """Parameters ``{q,k,v,o}_proj.weight`` as in HF Llama checkpoints."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_key_value_heads: int, head_dim: int,
+                 rope_theta: float = 10000.0, rope_scaling: dict | None = None, layer_idx: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = num_heads, num_key_value_heads, head_dim
+        self.softmax_scale = head_dim ** -0.5
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling)
+
+    def project_qkv(self, hidden_states: torch.Tensor):
+        """hidden_states (b, l, d) -> q (b, l, hq, hd), k, v (b, l, hkv, hd), before rotary."""
+        q = self.q_proj(hidden_states).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
+        v = self.v_proj(hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
+        return q, k, v
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """Rotate q (b, l, hq, hd) and k (b, l, hkv, hd) to ``positions (b, l)``."""
+        cos, sin = self.rotary(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               causal: bool = False) -> torch.Tensor:
+        """q (b, hq, l, hd), k/v (b, hkv, s, hd) -> (b, l, hq * hd).
+
+        mask: bool, broadcastable to (b, hq, l, s), True = visible; or ``causal`` (needs l == s).
+        """
+        rep = self.num_heads // self.num_key_value_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=self.softmax_scale)
+        return out.transpose(1, 2).flatten(-2)
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                cache: AttentionLayerCache | None = None, start: int = 0) -> torch.Tensor:
+        """hidden_states (b, l, d), positions (b, l) -> (b, l, d).
+
+        Without ``cache``: causal attention within the sequence. With ``cache``: the new K/V are written
+        at ``[start, start + l)`` and each query attends to every cached key up to its own slot.
+        """
+        l = hidden_states.shape[1]
+        q, k, v = self.project_qkv(hidden_states)
+        q, k = self.apply_rotary(q, k, positions)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, l, hd)
+        if cache is None:
+            return self.o_proj(self.attend(q, k, v, causal=True))
+        cache.k[:, :, start:start + l] = k
+        cache.v[:, :, start:start + l] = v
+        k, v = cache.k[:, :, :start + l], cache.v[:, :, :start + l]
+        # Bottom-right aligned causal mask (SDPA's is_causal is top-left aligned when l != s); a single
+        # query sees every cached key and needs none.
+        mask = torch.ones(l, start + l, dtype=torch.bool, device=q.device).tril(diagonal=start) if l > 1 else None
+        return self.o_proj(self.attend(q, k, v, mask))
