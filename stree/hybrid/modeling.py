@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stree.verify.sampling import SamplingConfig, sample_from, target_probs
+
 from .attention import LlamaAttention
 from .cache import AttentionLayerCache, InferenceCache
 from .checkpoint import check_state_dict, load_state_dict, save_state_dict
 from .config import MambaInLlamaConfig
 from .mamba import Mamba2GQA
-from .sampling import sample_next_token
 
 
 class RMSNorm(nn.Module):
@@ -191,6 +192,7 @@ class MambaInLlamaForCausalLM(nn.Module):
         Sampling: ``temperature == 0`` greedy, else softmax(logits / temperature) after top-k / top-p.
         """
         b, l = input_ids.shape
+        sampling = SamplingConfig(temperature, top_k, top_p)
         eos = torch.tensor([] if eos_token_id is None else
                            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
                            dtype=torch.long, device=input_ids.device)
@@ -201,7 +203,7 @@ class MambaInLlamaForCausalLM(nn.Module):
         logits = self(input_ids, cache, num_last_tokens=1)
         finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for i in range(max_new_tokens):
-            nxt = sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)
+            nxt = sample_from(target_probs(logits[:, -1], sampling), generator)
             if eos.numel():
                 nxt = torch.where(finished, eos[0], nxt)
                 finished |= torch.isin(nxt, eos)

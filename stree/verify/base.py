@@ -1,0 +1,214 @@
+"""Speculative-decoding data types, the verifier protocol and registry, and the shared tree walk.
+
+Every verifier walks the drafted tree from the root: at the current node ``u`` it looks at the
+target logits after the root-to-``u`` path and at ``u``'s children (draft order = index order), and
+either accepts one child and moves there, or emits one target token (a correction, or a bonus when
+``u`` is a leaf) and stops. Only that per-node decision differs between verifiers (a ``NodeRule``).
+The walk is batched over rows and has a static trip count (``max_depth + 1`` nodes, at most
+``max_children`` sibling tests each), so it runs on the device without per-step host syncs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from stree.verify.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from stree.tree import TokenTree
+
+DRAFT_MODES = ("deterministic", "iid", "without_replacement", "chain")
+
+
+@dataclass
+class Draft:
+    """A drafted token tree and how its children were chosen.
+
+    tree: ``stree.tree.TokenTree`` with tokens (b, n); node 0 is the root (last committed token).
+    q: (b, n, v) or None. ``q[b, i]`` is the exact distribution node i's children were drawn from
+        (after the drafter's own temperature / top-k / top-p; verifiers never re-transform it).
+        Rows of leaves are unused. Needed by ``mss`` and ``sps`` at temperature > 0.
+    mode: how children were chosen, one of ``DRAFT_MODES``:
+        "deterministic" (top-k / static / beam: chosen, not sampled), "iid" (i.i.d. with
+        replacement from q), "without_replacement" (sequentially, without replacement, from q
+        renormalised; draft order = sampling order), "chain" (one sampled path; iid with one child).
+    """
+
+    tree: "TokenTree"
+    q: Tensor | None
+    mode: str
+
+    def __post_init__(self):
+        if self.mode not in DRAFT_MODES:
+            raise ValueError(f"unknown draft mode {self.mode!r}; expected one of {DRAFT_MODES}")
+
+
+@dataclass
+class Verdict:
+    """Result of verifying one drafted tree.
+
+    path: (b, k) int64 accepted node indices, root first (path[:, 0] == 0), -1 padded at the end;
+        k = tree.max_depth + 1 (static, so no host sync is needed to trim it).
+    num_accepted: (b,) int64 drafted tokens accepted (= number of non-negative path entries - 1).
+    next_token: (b,) int64 token emitted by the target after the accepted path (correction/bonus).
+    """
+
+    path: Tensor
+    num_accepted: Tensor
+    next_token: Tensor
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    name: str
+
+    def check(self, draft_mode: str, sampling: SamplingConfig) -> None:
+        """Raise ``ValueError`` if this verifier is not lossless for (draft_mode, sampling)."""
+
+    def verify(self, draft: Draft, target_logits: Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None = None) -> Verdict:
+        """target_logits: (b, n, v), row i = target next-token logits after the root-to-i path."""
+
+
+@dataclass
+class NodeStep:
+    """What a node rule sees at the current node of every row (rows already finished included).
+
+    logits: (b, v) float32 raw target logits at the node.
+    q: (b, v) float32 draft distribution at the node, or None.
+    child_tokens: (b, c) int64 children's tokens in draft order (0 where ``child_valid`` is False).
+    child_valid: (b, c) bool, True for real children (a prefix of each row).
+    """
+
+    logits: Tensor
+    q: Tensor | None
+    child_tokens: Tensor
+    child_valid: Tensor
+
+
+# A node rule returns (slot (b,) int64: accepted child's column, -1 if none; token (b,) int64:
+# the emitted token, read only where slot == -1).
+NodeRule = Callable[[NodeStep], "tuple[Tensor, Tensor]"]
+
+
+def children_table(parents: Tensor) -> Tensor:
+    """Children of every node in index (= draft) order.
+
+    parents: (b, n) int64 with parents[:, 0] == -1. Returns (b, n, c) int64 child node indices,
+    -1 padded, c = max number of children of any node (>= 1). One host sync (to size c).
+    """
+    b, n = parents.shape
+    nodes = torch.arange(n, device=parents.device)
+    is_child = parents.unsqueeze(1) == nodes.view(1, n, 1)            # (b, parent, child)
+    count = is_child.sum(-1)
+    c = max(int(count.max()), 1)
+    slot = is_child.long().cumsum(-1) - 1                      # slot of child j under its parent
+    table = torch.full((b, n, c + 1), -1, dtype=torch.long, device=parents.device)
+    # Non-children write into the spare column c, which is dropped.
+    col = torch.where(is_child, slot, torch.full_like(slot, c))
+    table.scatter_(2, col, nodes.view(1, 1, n).expand(b, n, n).contiguous())
+    table[:, :, c] = -1
+    return table[:, :, :c]
+
+
+def validate(draft: Draft, target_logits: Tensor, need_q: bool) -> None:
+    """Shape/vocab checks shared by all verifiers (raises ValueError)."""
+    tokens = draft.tree.tokens
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be (b, n, v), got shape {tuple(target_logits.shape)}")
+    b, n, v = target_logits.shape
+    if tuple(tokens.shape) != (b, n):
+        raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match the tree's "
+                         f"tokens {tuple(tokens.shape)}: expected (b, n, v) with (b, n) = "
+                         "tokens.shape")
+    if need_q and draft.q is None:
+        raise ValueError(f"draft.q is required for mode {draft.mode!r} at temperature > 0")
+    if draft.q is not None and tuple(draft.q.shape) != (b, n, v):
+        raise ValueError(f"draft.q has shape {tuple(draft.q.shape)} but target_logits has "
+                         f"{tuple(target_logits.shape)}; they must match (same vocab v)")
+    drafted = tokens[:, 1:]  # the root's token was committed earlier; only drafted ones index v
+    if n > 1 and bool(((drafted < 0) | (drafted >= v)).any()):
+        raise ValueError(f"drafted tokens must lie in [0, {v}) (the logits' vocab size)")
+
+
+def walk(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
+    """Walk every row from the root, applying ``rule`` at each node. Shapes as in ``Verdict``."""
+    tree = draft.tree
+    tokens = tree.tokens.to(target_logits.device)
+    parents = tree.parents.to(target_logits.device)
+    b, n, _ = target_logits.shape
+    table = children_table(parents)
+    rows = torch.arange(b, device=target_logits.device)
+    steps = int(tree.max_depth) + 1
+
+    node = torch.zeros(b, dtype=torch.long, device=target_logits.device)
+    done = torch.zeros(b, dtype=torch.bool, device=target_logits.device)
+    next_token = torch.zeros(b, dtype=torch.long, device=target_logits.device)
+    path = torch.full((b, steps), -1, dtype=torch.long, device=target_logits.device)
+    path[:, 0] = 0
+    for d in range(steps):
+        kids = table[rows, node]                                       # (b, c)
+        valid = kids >= 0
+        step = NodeStep(
+            logits=target_logits[rows, node].float(),
+            q=None if draft.q is None else draft.q[rows, node].float(),
+            child_tokens=tokens.gather(1, kids.clamp_min(0)).masked_fill(~valid, 0),
+            child_valid=valid,
+        )
+        slot, token = rule(step)
+        accepted = ~done & (slot >= 0)
+        stopped = ~done & (slot < 0)
+        next_token = torch.where(stopped, token, next_token)
+        child = kids.gather(1, slot.clamp_min(0).unsqueeze(1)).squeeze(1)
+        node = torch.where(accepted, child, node)
+        if d + 1 < steps:
+            path[:, d + 1] = torch.where(accepted, node, -1)
+        done = done | stopped
+    # Depth max_depth nodes are leaves, so every row has stopped by now.
+    num_accepted = (path >= 0).sum(1) - 1
+    return Verdict(path=path, num_accepted=num_accepted, next_token=next_token)
+
+
+def first_match(step: NodeStep, token: Tensor) -> Tensor:
+    """Column of the first child whose token equals ``token`` (b,), or -1. (b,) int64."""
+    hit = step.child_valid & (step.child_tokens == token.unsqueeze(1))
+    c = hit.shape[1]
+    first = torch.where(hit, torch.arange(c, device=hit.device), c).min(1).values
+    return torch.where(first < c, first, -1)
+
+
+def get_verifier(name_or_obj) -> Verifier:
+    """A verifier by name ("greedy", "mss", "naive", "sps"); an object with verify/check as is."""
+    from stree.verify.greedy import GreedyVerifier
+    from stree.verify.mss import MSSVerifier
+    from stree.verify.naive import NaiveVerifier
+    from stree.verify.sps import SpSVerifier
+
+    registry = {cls.name: cls for cls in (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier)}
+    if isinstance(name_or_obj, str):
+        if name_or_obj not in registry:
+            raise ValueError(
+                f"unknown verifier {name_or_obj!r}; expected one of {sorted(registry)}")
+        return registry[name_or_obj]()
+    if all(callable(getattr(name_or_obj, m, None)) for m in ("verify", "check")):
+        return name_or_obj
+    raise TypeError(f"expected a verifier name or an object with verify() and check(), "
+                    f"got {type(name_or_obj).__name__}")
+
+
+def default_verifier(sampling: SamplingConfig, draft_mode: str) -> Verifier:
+    """The lossless verifier with the best acceptance for this (sampling, draft mode) pair."""
+    if draft_mode not in DRAFT_MODES:
+        raise ValueError(f"unknown draft mode {draft_mode!r}; expected one of {DRAFT_MODES}")
+    if sampling.is_greedy:
+        name = "greedy"
+    elif draft_mode == "deterministic":
+        name = "naive"   # the only lossless sampling rule for chosen (not sampled) children
+    elif draft_mode == "chain":
+        name = "sps"
+    else:
+        name = "mss"
+    return get_verifier(name)

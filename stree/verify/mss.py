@@ -1,0 +1,82 @@
+"""Multi-step speculative sampling (SpecInfer MSS) and its without-replacement variant.
+
+At node u with target p and draft q, children tested in draft order:
+    R = p
+    for child c (token x):  accept with prob min(1, R[x] / q[x]);
+                            on reject: R <- norm((R - q)+)
+                                       without replacement only: q[x] <- 0, q <- norm(q)
+    nothing accepted: emit a sample of R (at a leaf R = p, the bonus token).
+The with-replacement update is lossless iff the children are i.i.d. draws from q ("iid", "chain");
+the without-replacement one (DySpec Alg. 3 / Sequoia / SpecExec) iff they were drawn sequentially
+without replacement ("without_replacement"). Neither is lossless for chosen ("deterministic")
+children at temperature > 0, which ``check`` refuses.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from stree.verify.base import Draft, NodeStep, Verdict, validate, walk
+from stree.verify.greedy import greedy_rule
+from stree.verify.sampling import SamplingConfig, sample_from, target_probs
+
+# Below this total variation (R - q)+ is treated as empty. A rejection there has probability
+# <= _RESIDUAL_EPS, so keeping R instead costs at most that much in distribution.
+_RESIDUAL_EPS = 1e-6
+
+
+def _normalise(w: Tensor) -> Tensor:
+    s = w.sum(-1, keepdim=True)
+    return torch.where(s > 0, w / s.clamp_min(torch.finfo(w.dtype).tiny), w)
+
+
+def mss_rule(step: NodeStep, sampling: SamplingConfig, without_replacement: bool,
+             generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """One node of MSS for every row. Returns (accepted slot or -1, emitted token), each (b,)."""
+    R = target_probs(step.logits, sampling)
+    # Normalising q is not a re-transformation: it is the distribution multinomial sampling used.
+    Q = _normalise(step.q)
+    b, c = step.child_tokens.shape
+    slot = torch.full((b,), -1, dtype=torch.long, device=R.device)
+    for j in range(c):
+        live = step.child_valid[:, j] & (slot < 0)
+        tok = step.child_tokens[:, j : j + 1]
+        r_tok = R.gather(1, tok).squeeze(1)
+        q_tok = Q.gather(1, tok).squeeze(1)
+        u = torch.rand(b, generator=generator, device=R.device)
+        # u < R/q written without the division. q[x] == 0 means x could not have been drawn;
+        # treat it as a rejection (probability-zero event, so any choice is lossless).
+        accept = live & (q_tok > 0) & (u * q_tok < r_tok)
+        slot = torch.where(accept, j, slot)
+        reject = (live & ~accept).unsqueeze(1)
+        resid = (R - Q).clamp_min(0)
+        # (R - q)+ ~ 0 means R == q, where rejection has probability ~0 (only rounding or a
+        # q[x] == 0 token gets here): keep R instead of dividing noise by ~0.
+        mass = resid.sum(-1, keepdim=True)
+        R = torch.where(reject & (mass > _RESIDUAL_EPS), resid / mass.clamp_min(_RESIDUAL_EPS), R)
+        if without_replacement:
+            # Once q is exhausted (all of the vocab drafted) later children have q[x] == 0 and
+            # are rejected, leaving R unchanged: DySpec's early return.
+            Q = torch.where(reject, _normalise(Q.scatter(1, tok, 0.0)), Q)
+    return slot, sample_from(R, generator)
+
+
+class MSSVerifier:
+    name = "mss"
+
+    def check(self, draft_mode: str, sampling: SamplingConfig) -> None:
+        if draft_mode == "deterministic" and not sampling.is_greedy:
+            raise ValueError(
+                "MSS is not lossless for deterministic (top-k / static / beam) children at "
+                f"temperature > 0 ({sampling}); use the 'naive' verifier or a sampling drafter")
+
+    def verify(self, draft: Draft, target_logits: Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None = None) -> Verdict:
+        """target_logits: (b, n, v); draft.q (b, n, v) required unless sampling is greedy."""
+        self.check(draft.mode, sampling)
+        validate(draft, target_logits, need_q=not sampling.is_greedy)
+        if sampling.is_greedy:  # p is one-hot: MSS reduces to greedy exactly
+            return walk(draft, target_logits, greedy_rule)
+        without = draft.mode == "without_replacement"
+        return walk(draft, target_logits,
+                    lambda step: mss_rule(step, sampling, without, generator))

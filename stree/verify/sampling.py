@@ -1,0 +1,78 @@
+"""Target-side sampling: logits -> probabilities, and drawing from (unnormalised) probabilities.
+
+The transform matches mamba_ssm's ``sample`` and Hugging Face's warpers
+(``TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper``): divide by the temperature,
+keep the ``top_k`` largest logits (ties with the k-th are kept), then drop the smallest tokens
+whose cumulative probability is ``<= 1 - top_p``. Top-k commutes with the temperature (both are
+monotone), so the order of those two does not matter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the *target* distribution is shaped. ``temperature == 0`` means greedy decoding.
+
+    ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``top_k == 1`` is greedy too (as in
+    mamba_ssm's ``sample``), whatever the temperature.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:  # also catches NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        # mamba_ssm treats top_p=0 as "off" and HF as "keep one token"; refuse rather than guess.
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 disables it), got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the target distribution is a point mass on the argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """Probabilities the target samples from.
+
+    logits: (..., v) any float dtype. Returns (..., v) float32 summing to 1 along the last dim.
+    Greedy configs give a one-hot argmax (first index on ties, like ``torch.argmax``).
+    """
+    logits = logits.float()
+    if sampling.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / sampling.temperature
+    v = logits.shape[-1]
+    if 0 < sampling.top_k < v:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # The largest token always survives: its cumulative sum is 1 > 1 - top_p.
+        drop_sorted = cum <= 1.0 - sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from non-negative, maybe unnormalised ``weights`` (..., v) -> (...) int64.
+
+    Exponential race (``argmax w_i / E_i``, E_i ~ Exp(1)) = a draw from ``w / w.sum()``: exact,
+    needs no normalisation, and never raises (an all-zero row returns 0; callers mask such rows)
+    so a batched walk has no host sync here. Zero-weight tokens are never drawn.
+    """
+    e = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
+    # Exp(1) may round to 0; 0/0 = NaN would win argmax, so keep the divisor positive.
+    e = e.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (weights.float() / e).argmax(-1)

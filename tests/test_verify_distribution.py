@@ -1,0 +1,271 @@
+"""Losslessness of the sampling verifiers, checked against the exact target distribution.
+
+Each trial simulates one speculative step end to end, vectorised over the batch (one row = one
+trial): a small target "model" (conditional tables over a tiny vocab) and a draft model; the
+drafter samples a depth-2 tree from q in the mode under test; the verifier accepts a path and
+emits one token. The emitted sequence is extended to three tokens with exact target samples (what
+any later lossless step would produce), and the frequencies of (y1), (y1, y2) and (y1, y2, y3) are
+chi-square tested against p(y1) p(y2|y1) p(y3|y1,y2). Seeds are fixed and the threshold is 1e-4, so
+a pass is deterministic; negative controls (rules known to be biased) run through the same
+machinery and must fail it, which shows the test has the power to catch a wrong rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from stree.tree import TokenTree
+from stree.verify import Draft, SamplingConfig, get_verifier, sample_from, target_probs
+from stree.verify.base import NodeStep, walk
+
+V = 4
+TRIALS = 30_000
+ALPHA = 1e-4
+
+
+@dataclass
+class Models:
+    """Target logits L1 (V,), L2 (V, V), L3 (V, V, V) = logits after prefixes of length 0, 1, 2;
+    draft distributions q1 (V,), q2 (V, V) at the root and after one token."""
+
+    L1: torch.Tensor
+    L2: torch.Tensor
+    L3: torch.Tensor
+    q1: torch.Tensor
+    q2: torch.Tensor
+
+
+def _dist(g, *shape, floor=0.3):
+    """Random distributions over the last dim, mixed with uniform so no cell is tiny."""
+    d = -torch.rand(*shape, V, generator=g, dtype=torch.float64).log()
+    d = d / d.sum(-1, keepdim=True)
+    return ((1 - floor) * d + floor / V).float()
+
+
+def make_models(seed: int, peaked_q: bool = False) -> Models:
+    g = torch.Generator().manual_seed(seed)
+    L1, L2, L3 = (_dist(g, *s).log() for s in [(), (V,), (V, V)])
+    if peaked_q:  # a draft far from the target makes biased rules show up clearly
+        q1 = torch.tensor([0.6, 0.3, 0.05, 0.05])
+        q2 = torch.stack([q1.roll(i) for i in range(V)])
+    else:
+        q1, q2 = _dist(g), _dist(g, V)
+    return Models(L1, L2, L3, q1, q2)
+
+
+def draw_children(q: torch.Tensor, k: int, mode: str, g) -> torch.Tensor:
+    """(N, V) distributions -> (N, k) children tokens in draft order, chosen as ``mode`` says."""
+    if mode in ("iid", "chain"):
+        return torch.multinomial(q, k, replacement=True, generator=g)
+    if mode == "without_replacement":  # sequential draws from q renormalised, in draw order
+        w, out = q.clone(), []
+        for _ in range(k):
+            t = torch.multinomial(w, 1, generator=g)
+            out.append(t)
+            w.scatter_(1, t, 0.0)
+        return torch.cat(out, 1)
+    if mode == "deterministic":  # top-k of q
+        return torch.topk(q, k, dim=-1).indices
+    raise AssertionError(mode)
+
+
+def simulate(m: Models, widths: tuple[int, int], draft_mode: str, verify, seed: int,
+             sampling: SamplingConfig, label_mode: str | None = None, trials: int = TRIALS,
+             q_seen=None):
+    """Run ``trials`` speculative steps; return counts of emitted triples (V, V, V).
+
+    widths (k1, k2): the root has k1 children, each of those k2 children (leaves).
+    label_mode: the mode written into the Draft (defaults to draft_mode); a different label feeds
+    a verifier children drawn some other way than it assumes.
+    verify: callable(draft, logits, generator) -> Verdict.
+    q_seen: optional map applied to the q handed to the verifier (children are still drawn from
+    the true q), to model a verifier that sees a different q than the drafter used.
+    """
+    g = torch.Generator().manual_seed(seed)
+    k1, k2 = widths
+    n = 1 + k1 + k1 * k2
+    parents = [-1] + [0] * k1 + [1 + i for i in range(k1) for _ in range(k2)]
+    N = trials
+    t1 = draw_children(m.q1.expand(N, V), k1, draft_mode, g)                     # (N, k1)
+    t2 = draw_children(m.q2[t1.reshape(-1)], k2, draft_mode, g).reshape(N, k1 * k2)
+    par1 = t1.repeat_interleave(k2, dim=1)                                       # parent token
+    tokens = torch.cat([torch.zeros(N, 1, dtype=torch.long), t1, t2], 1)
+    logits = torch.cat([m.L1.expand(N, 1, V), m.L2[t1], m.L3[par1, t2]], 1)
+    # Leaves' q rows are unused by contract: NaN makes any use of them visible.
+    q = torch.cat([m.q1.expand(N, 1, V), m.q2[t1], torch.full((N, k1 * k2, V), float("nan"))], 1)
+    assert logits.shape == q.shape == (N, n, V)
+    tree = TokenTree(tokens, torch.tensor(parents))
+    draft = Draft(tree=tree, q=q if q_seen is None else q_seen(q), mode=label_mode or draft_mode)
+    verdict = verify(draft, logits, g)
+
+    # Emitted tokens: accepted path tokens, then next_token; complete to 3 with target samples.
+    acc = tree.path_tokens(verdict.path)[:, 1:]                                 # (N, 2), -1 padded
+    seq = torch.cat([acc, torch.full((N, 1), -1)], 1)
+    seq.scatter_(1, verdict.num_accepted.unsqueeze(1), verdict.next_token.unsqueeze(1))
+    P2, P3 = target_probs(m.L2, sampling), target_probs(m.L3, sampling)
+    fill2 = sample_from(P2[seq[:, 0]], g)
+    seq[:, 1] = torch.where(seq[:, 1] < 0, fill2, seq[:, 1])
+    fill3 = sample_from(P3[seq[:, 0], seq[:, 1]], g)
+    seq[:, 2] = torch.where(seq[:, 2] < 0, fill3, seq[:, 2])
+    assert (verdict.num_accepted <= 2).all() and (seq >= 0).all() and (seq < V).all()
+    cell = seq[:, 0] * V * V + seq[:, 1] * V + seq[:, 2]
+    return torch.bincount(cell, minlength=V**3).view(V, V, V)
+
+
+def exact_triples(m: Models, sampling: SamplingConfig) -> torch.Tensor:
+    P1, P2, P3 = (target_probs(L, sampling).double() for L in (m.L1, m.L2, m.L3))
+    return P1[:, None, None] * P2[:, :, None] * P3
+
+
+def pvalues(counts: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
+    """Chi-square p-values of the y1, (y1, y2) and (y1, y2, y3) frequencies. Cells the target
+    gives probability 0 must be empty (reported as p = 0 otherwise)."""
+    out = {}
+    for name, dims in (("y1", (1, 2)), ("y1y2", (2,)), ("y1y2y3", ())):
+        c = counts.double().sum(dims).flatten() if dims else counts.double().flatten()
+        e = expected.sum(dims).flatten() if dims else expected.flatten()
+        support = e > 0
+        if c[~support].sum() > 0:
+            out[name] = 0.0
+            continue
+        c, e = c[support], e[support]
+        out[name] = float(chisquare(c.numpy(), (e / e.sum() * c.sum()).numpy()).pvalue)
+    return out
+
+
+def run_verifier(name: str, sampling: SamplingConfig):
+    verifier = get_verifier(name)
+    return lambda draft, logits, g: verifier.verify(draft, logits, sampling, generator=g)
+
+
+LOSSLESS = [
+    # (verifier, draft mode, widths, sampling)
+    ("naive", "deterministic", (3, 2), SamplingConfig(1.0)),
+    ("naive", "iid", (2, 2), SamplingConfig(0.8, top_p=0.9)),
+    ("mss", "iid", (3, 2), SamplingConfig(1.0)),
+    ("mss", "iid", (3, 2), SamplingConfig(0.7, top_k=3)),
+    ("mss", "without_replacement", (3, 2), SamplingConfig(1.0)),
+    ("mss", "without_replacement", (4, 2), SamplingConfig(1.0)),  # root's q is exhausted
+    ("mss", "without_replacement", (2, 3), SamplingConfig(0.6, top_p=0.8)),
+    ("mss", "chain", (1, 1), SamplingConfig(1.0)),
+    ("sps", "chain", (1, 1), SamplingConfig(1.0)),
+    ("sps", "chain", (1, 1), SamplingConfig(0.5, top_k=3)),
+]
+
+
+def _id(case):
+    name, mode, widths, s = case
+    return f"{name}-{mode}-{widths[0]}x{widths[1]}-T{s.temperature}-k{s.top_k}-p{s.top_p}"
+
+
+@pytest.mark.parametrize("peaked", [False, True], ids=["random_q", "peaked_q"])
+@pytest.mark.parametrize("case", LOSSLESS, ids=[_id(c) for c in LOSSLESS])
+def test_lossless(case, peaked):
+    name, mode, widths, sampling = case
+    m = make_models(seed=11, peaked_q=peaked)
+    counts = simulate(m, widths, mode, run_verifier(name, sampling), seed=5, sampling=sampling)
+    p = pvalues(counts, exact_triples(m, sampling))
+    assert min(p.values()) > ALPHA, f"{name}/{mode} deviates from the target: p-values {p}"
+
+
+# ---------------------------------------------------------------- negative controls (must fail)
+def _buggy(rule, sampling):
+    """A verify callable running ``rule(step, sampling, generator)`` through the shared walk."""
+    return lambda draft, logits, g: walk(draft, logits, lambda step: rule(step, sampling, g))
+
+
+def _resample_from_p_on_reject(step: NodeStep, sampling, g):
+    """Chain SpS with the classic bug: after a rejection resample from p instead of (p - q)+."""
+    p = target_probs(step.logits, sampling)
+    tok = step.child_tokens[:, :1]
+    ratio = (p.gather(1, tok) / step.q.gather(1, tok))[:, 0]
+    accept = step.child_valid[:, 0] & (torch.rand(ratio.shape[0], generator=g) < ratio)
+    return torch.where(accept, 0, -1), sample_from(p, g)
+
+
+def _mss_unnormalised_residual(step: NodeStep, sampling, g):
+    """MSS that forgets to renormalise R after a rejection before testing the next sibling."""
+    R, Q = target_probs(step.logits, sampling), step.q
+    slot = torch.full((R.shape[0],), -1)
+    for j in range(step.child_tokens.shape[1]):
+        live = step.child_valid[:, j] & (slot < 0)
+        tok = step.child_tokens[:, j : j + 1]
+        u = torch.rand(R.shape[0], generator=g)
+        accept = live & (u * Q.gather(1, tok)[:, 0] < R.gather(1, tok)[:, 0])
+        slot = torch.where(accept, j, slot)
+        R = torch.where((live & ~accept)[:, None], (R - Q).clamp_min(0), R)
+    return slot, sample_from(R, g)
+
+
+T1 = SamplingConfig(1.0)
+NEGATIVE = {
+    # children drawn without replacement, verified with the with-replacement (iid) update
+    "mss_iid_rule_on_without_replacement_children":
+        dict(mode="without_replacement", label="iid", widths=(3, 2),
+             verify=run_verifier("mss", T1)),
+    # deterministic top-k children passed off as i.i.d. samples to MSS
+    "mss_on_deterministic_topk_children":
+        dict(mode="deterministic", label="iid", widths=(2, 2), verify=run_verifier("mss", T1)),
+    # i.i.d. children (duplicates possible) verified with the without-replacement update
+    "mss_without_replacement_rule_on_iid_children":
+        dict(mode="iid", label="without_replacement", widths=(3, 2),
+             verify=run_verifier("mss", T1)),
+    "sps_resample_from_p_on_reject":
+        dict(mode="chain", label="chain", widths=(1, 1),
+             verify=_buggy(_resample_from_p_on_reject, T1)),
+    "mss_unnormalised_residual":
+        dict(mode="iid", label="iid", widths=(3, 2), verify=_buggy(_mss_unnormalised_residual, T1)),
+    # the verifier re-applies a temperature to q (what a verifier that "re-transforms q" does)
+    "mss_with_retransformed_q":
+        dict(mode="iid", label="iid", widths=(3, 2), verify=run_verifier("mss", T1),
+             q_seen=lambda q: target_probs(q.log(), SamplingConfig(0.7))),
+}
+
+
+@pytest.mark.parametrize("bug", list(NEGATIVE))
+def test_negative_control_is_detected(bug):
+    c = NEGATIVE[bug]
+    m = make_models(seed=11, peaked_q=True)
+    counts = simulate(m, c["widths"], c["mode"], c["verify"], seed=5, sampling=T1,
+                      label_mode=c["label"], q_seen=c.get("q_seen"))
+    p = pvalues(counts, exact_triples(m, T1))
+    assert min(p.values()) < ALPHA, f"{bug} was not detected: p-values {p}"
+
+
+# ------------------------------------------------------------------------- greedy equivalence
+@pytest.mark.parametrize("name,mode", [("mss", "iid"), ("mss", "without_replacement"),
+                                       ("naive", "deterministic"), ("naive", "iid"),
+                                       ("mss", "deterministic")])
+def test_temperature_zero_is_greedy(name, mode):
+    m = make_models(seed=3)
+    greedy = get_verifier("greedy")
+    calls = {}
+
+    def both(draft, logits, g):
+        calls["greedy"] = greedy.verify(draft, logits, SamplingConfig(0.0))
+        return get_verifier(name).verify(draft, logits, SamplingConfig(0.0), generator=g)
+
+    simulate(m, (3, 2), mode, lambda d, lg, g: calls.setdefault("other", both(d, lg, g)), seed=1,
+             sampling=SamplingConfig(0.0), trials=2000)
+    for field in ("path", "num_accepted", "next_token"):
+        assert torch.equal(getattr(calls["other"], field), getattr(calls["greedy"], field)), field
+
+
+@pytest.mark.parametrize("name,mode", [("mss", "iid"), ("mss", "without_replacement"),
+                                       ("naive", "iid")])
+def test_near_zero_temperature_sampling_path_matches_greedy(name, mode):
+    """At T = 1e-3 p is one-hot in fp32, so the *sampling* code path must agree with greedy."""
+    m = make_models(seed=4)
+    out = {}
+
+    def both(draft, logits, g):
+        out["greedy"] = get_verifier("greedy").verify(draft, logits, SamplingConfig(0.0))
+        return get_verifier(name).verify(draft, logits, SamplingConfig(1e-3), generator=g)
+
+    simulate(m, (3, 2), mode, lambda d, lg, g: out.setdefault("other", both(d, lg, g)), seed=2,
+             sampling=SamplingConfig(1e-3), trials=2000)
+    assert torch.equal(out["other"].path, out["greedy"].path)
+    assert torch.equal(out["other"].next_token, out["greedy"].next_token)
