@@ -1,6 +1,4 @@
 """TokenTree: validation and the tables shared by every layer."""
-import random
-
 import pytest
 import torch
 from hypothesis import given, settings

@@ -6,14 +6,10 @@ mamba_ssm's Triton kernel, CPU tensors to its ``selective_state_update_ref``.
 """
 from __future__ import annotations
 
-import math
-
 from stree._mamba import mamba_ssm  # noqa: F401  (must precede any mamba_ssm submodule import)
 from mamba_ssm.ops.triton.selective_state_update import selective_state_update, selective_state_update_ref
 
-from stree.kernels.chunk_scan import process_dt
-
-NO_DT_LIMIT = (0.0, math.inf)
+from stree.kernels._common import NO_DT_LIMIT, process_dt
 
 
 def ssm_step(state, x, dt, A, B, C, D, dt_bias, *, dt_limit=NO_DT_LIMIT, impl="auto"):

@@ -10,33 +10,19 @@ rounding.
 """
 from __future__ import annotations
 
-import math
-
-import torch
 import torch.nn.functional as F
 
 from stree._mamba import mamba_ssm  # noqa: F401
 from mamba_ssm.modules.ssd_minimal import ssd_minimal_discrete
 
+from stree.kernels._common import NO_DT_LIMIT, process_dt
+
 
 REF_MAX_CHUNK_SIZE = 64
 
 
-def process_dt(dt: torch.Tensor, dt_bias=None, dt_softplus: bool = True,
-               dt_limit=(0.0, math.inf)) -> torch.Tensor:
-    """mamba_ssm's chunked-path dt transform, in fp32: bias, softplus, then clamp to dt_limit."""
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if tuple(dt_limit) != (0.0, math.inf):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
-
-
 def chunk_scan_ref(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=True,
-                   dt_limit=(0.0, math.inf), initial_states=None, chunk_size: int = 64):
+                   dt_limit=NO_DT_LIMIT, initial_states=None, chunk_size: int = 64):
     """Plain-PyTorch chunked SSD (fp32 compute, differentiable): mamba_ssm's ``ssd_minimal_discrete``.
 
     Args:
@@ -70,7 +56,7 @@ def chunk_scan_ref(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
 
 
 def chunk_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=True,
-               dt_limit=(0.0, math.inf), initial_states=None, chunk_size: int = 256,
+               dt_limit=NO_DT_LIMIT, initial_states=None, chunk_size: int = 256,
                impl: str = "auto"):
     """Chunked SSD from an initial state; returns ``(y, final_state)``. See :func:`chunk_scan_ref`.
 

@@ -1,0 +1,164 @@
+"""Activation replay: advance the committed SSM and conv states along an accepted path, in place.
+
+``path`` (batch, k) holds node indices root first, -1 padded at the end; rows may differ in length.
+For each valid node j of a row, with g the group of head h:
+
+    ssm_state[h] <- exp(dt[j, h] A[h]) ssm_state[h] + dt[j, h] outer(x[j, h], B[j, g])
+    conv_state   <- last width columns of [conv_state, xbc[path nodes]]
+
+The inputs are the activations cached by the tree forward (x after conv, processed dt, B, raw xbc),
+so replay costs one read and one write of each state.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stree.kernels._common import (check_device, check_float, check_index, check_ndim,
+                                   check_shape, use_triton)
+
+
+@triton.jit
+def _ssm_replay_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr,
+    k, hdim, dstate, heads_per_group,
+    stride_state_b, stride_state_h, stride_state_p, stride_state_s,
+    stride_x_b, stride_x_n, stride_x_h, stride_x_p,
+    stride_dt_b, stride_dt_n, stride_dt_h,
+    stride_B_b, stride_B_n, stride_B_g, stride_B_s,
+    stride_path_b, stride_path_k,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_g = pid_h // heads_per_group
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_s = tl.arange(0, BLOCK_S)
+    p_in = offs_p < hdim
+    s_in = offs_s < dstate
+    state_ptrs = (state_ptr + pid_b * stride_state_b + pid_h * stride_state_h
+                  + offs_p[:, None] * stride_state_p + offs_s[None, :] * stride_state_s)
+    x_ptr += pid_b * stride_x_b + pid_h * stride_x_h
+    dt_ptr += pid_b * stride_dt_b + pid_h * stride_dt_h
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    path_ptr += pid_b * stride_path_b
+
+    A = tl.load(A_ptr + pid_h).to(tl.float32)
+    h = tl.load(state_ptrs, mask=p_in[:, None] & s_in[None, :], other=0.0).to(tl.float32)
+    for j in range(k):
+        node = tl.load(path_ptr + j * stride_path_k)
+        valid = node >= 0
+        node = tl.maximum(node, 0)
+        # A padded step (-1) is the identity: dt = 0 gives decay 1 and no input.
+        dt = tl.where(valid, tl.load(dt_ptr + node * stride_dt_n).to(tl.float32), 0.0)
+        x = tl.load(x_ptr + node * stride_x_n + offs_p * stride_x_p, mask=p_in,
+                    other=0.0).to(tl.float32)
+        b = tl.load(B_ptr + node * stride_B_n + offs_s * stride_B_s, mask=s_in,
+                    other=0.0).to(tl.float32)
+        h = tl.exp(dt * A) * h + (dt * x)[:, None] * b[None, :]
+    tl.store(state_ptrs, h.to(state_ptr.dtype.element_ty), mask=p_in[:, None] & s_in[None, :])
+
+
+def _check_ssm_args(ssm_state, x, dt, A, B, path):
+    op = "ssm_replay"
+    check_ndim(op, "ssm_state", ssm_state, 4, "(batch, heads, headdim, dstate)")
+    b, h, p, s = ssm_state.shape
+    check_ndim(op, "x", x, 4, "(batch, nodes, heads, headdim)")
+    n = x.shape[1]
+    check_ndim(op, "B", B, 4, "(batch, nodes, groups, dstate)")
+    g = B.shape[2]
+    check_shape(op, "x", x, (b, n, h, p), "(batch, nodes, heads, headdim)")
+    check_shape(op, "dt", dt, (b, n, h), "(batch, nodes, heads)")
+    check_shape(op, "A", A, (h,), "(heads,)")
+    check_shape(op, "B", B, (b, n, g, s), "(batch, nodes, groups, dstate)")
+    check_ndim(op, "path", path, 2, "(batch, steps)")
+    if path.shape[0] != b:
+        raise ValueError(f"{op}: path must have batch size {b}, got shape {tuple(path.shape)}")
+    if g == 0 or h % g != 0:
+        raise ValueError(f"{op}: heads ({h}) must be a multiple of groups ({g})")
+    check_float(op, ssm_state=ssm_state, x=x, dt=dt, A=A, B=B)
+    check_index(op, path=path)
+    check_device(op, ssm_state.device, x=x, dt=dt, A=A, B=B, path=path)
+
+
+def _ssm_replay_triton(ssm_state, x, dt, A, B, path):
+    b, h, p, s = ssm_state.shape
+    BLOCK_P = min(16, triton.next_power_of_2(p))
+    BLOCK_S = triton.next_power_of_2(s)
+    grid = (b, h, triton.cdiv(p, BLOCK_P))
+    _ssm_replay_kernel[grid](
+        ssm_state, x, dt, A.contiguous(), B, path, path.shape[1], p, s, h // B.shape[2],
+        *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *path.stride(),
+        BLOCK_P=BLOCK_P, BLOCK_S=BLOCK_S, num_warps=4,
+    )
+
+
+def _ssm_replay_ref(ssm_state, x, dt, A, B, path):
+    h, g = ssm_state.shape[1], B.shape[2]
+    rows = torch.arange(path.shape[0], device=path.device)
+    state = ssm_state.float()
+    for j in range(path.shape[1]):  # k is a shape, not data: no host sync
+        node = path[:, j].clamp(min=0)
+        dt_j = torch.where(path[:, j, None] >= 0, dt[rows, node].float(), 0.0)  # (b, h)
+        x_j = x[rows, node].float()  # (b, h, p)
+        B_j = B[rows, node].float().repeat_interleave(h // g, dim=1)  # (b, h, s)
+        decay = torch.exp(dt_j * A.float())
+        state = (decay[..., None, None] * state
+                 + (dt_j[..., None] * x_j)[..., None] * B_j[:, :, None, :])
+    ssm_state.copy_(state)
+
+
+def ssm_replay(ssm_state, x, dt, A, B, path, impl="auto"):
+    """Advance ``ssm_state`` in place along ``path`` from cached tree activations.
+
+    Args:
+        ssm_state: (batch, heads, headdim, dstate) committed state, updated in place.
+        x: (batch, nodes, heads, headdim) SSM input of the tree nodes.
+        dt: (batch, nodes, heads) processed dt (``tree_scan``'s dt_out).
+        A: (heads,); B: (batch, nodes, groups, dstate).
+        path: (batch, k) int64 node indices, root first, -1 padded at the end.
+        impl: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "ref".
+    """
+    _check_ssm_args(ssm_state, x, dt, A, B, path)
+    run = _ssm_replay_triton if use_triton(impl, ssm_state) else _ssm_replay_ref
+    run(ssm_state, x, dt, A, B, path)
+
+
+def ssm_replay_ref(ssm_state, x, dt, A, B, path):
+    """Plain-PyTorch ``ssm_replay`` (fp32 compute, one torch step per path column)."""
+    _check_ssm_args(ssm_state, x, dt, A, B, path)
+    _ssm_replay_ref(ssm_state, x, dt, A, B, path)
+
+
+def conv_replay(conv_state, xbc, path):
+    """Shift the accepted path's pre-conv inputs into ``conv_state``, in place (torch gather).
+
+    Args:
+        conv_state: (batch, channels, width), column width-1 newest; becomes the last width
+            columns of [conv_state, xbc[path nodes]] per row (short paths keep older columns).
+        xbc: (batch, nodes, channels) pre-conv inputs of the tree nodes.
+        path: (batch, k) int64 node indices, root first, -1 padded at the end.
+    """
+    op = "conv_replay"
+    check_ndim(op, "conv_state", conv_state, 3, "(batch, channels, width)")
+    b, c, w = conv_state.shape
+    check_ndim(op, "xbc", xbc, 3, "(batch, nodes, channels)")
+    check_shape(op, "xbc", xbc, (b, xbc.shape[1], c), "(batch, nodes, channels)")
+    check_ndim(op, "path", path, 2, "(batch, steps)")
+    if path.shape[0] != b:
+        raise ValueError(f"{op}: path must have batch size {b}, got shape {tuple(path.shape)}")
+    check_float(op, conv_state=conv_state, xbc=xbc)
+    check_index(op, path=path)
+    check_device(op, conv_state.device, xbc=xbc, path=path)
+    if path.shape[1] == 0:
+        return
+
+    # Sequence per row: [conv_state columns 0..w-1, path nodes 0..L-1]; keep positions L..L+w-1.
+    # In src = cat(conv_state, xbc^T) column q < w is conv_state[q], w + i is node i.
+    length = (path >= 0).sum(dim=1, keepdim=True)  # (b, 1), stays on device
+    pos = length + torch.arange(w, device=path.device)  # (b, w)
+    node = path.gather(1, (pos - w).clamp(min=0, max=path.shape[1] - 1))
+    src_col = torch.where(pos < w, pos, w + node)
+    src = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)], dim=2)
+    conv_state.copy_(src.gather(2, src_col[:, None, :].expand(b, c, w)))
