@@ -1,7 +1,19 @@
-"""stree: speculative tree decoding for Mamba2 and hybrid Mamba2 + attention models."""
-from stree.patch import patch
-from stree.tree import TokenTree, parents_from_widths
-from stree.cache import TreeCache
+"""stree: speculative tree decoding for Mamba2 and hybrid Mamba2 + attention models.
 
-__all__ = ["patch", "TokenTree", "TreeCache", "parents_from_widths"]
+    model = stree.patch(model)                       # mamba_ssm MambaLMHeadModel or stree.hybrid
+    cache = model.allocate_tree_cache(batch_size, max_seqlen)
+    logits = model.prefill(input_ids, cache)         # (b, l, v); commits the prompt
+    logits = model.tree_forward(tree, cache)         # (b, n, v); committed state unchanged
+    cache.commit(path)                               # (b, k) accepted node indices from the root
+    out = stree.generate(target, draft, input_ids, max_new_tokens=128, temperature=0.0)
+"""
+from stree.cache import TreeCache
+from stree.generate import GenerationOutput, generate
+from stree.patch import patch
+from stree.stats import GenerationStats
+from stree.tree import TokenTree, parents_from_widths
+from stree.verify import SamplingConfig
+
+__all__ = ["patch", "generate", "GenerationOutput", "GenerationStats", "TokenTree", "TreeCache",
+           "SamplingConfig", "parents_from_widths"]
 __version__ = "0.1.0"

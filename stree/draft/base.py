@@ -1,0 +1,113 @@
+"""What every drafter shares: the layered shape contract and child selection from a draft distribution.
+
+A drafter grows a tree layer by layer with the draft model, which is itself a patched model: level
+``d`` runs ``draft_model.tree_forward`` once over the partial tree (layers ``0..d``) and reads the
+logits of layer ``d`` to choose layer ``d + 1``. The committed prefix lives in the draft cache and is
+never re-run. Nodes are appended layer by layer, so indices never move, and the draft's last
+``tree_forward`` covered exactly the first ``num_forwarded`` nodes (every layer but the deepest):
+after verification the loop can ``draft_cache.commit(path)`` with the target's node indices whenever
+the accepted path stays inside those nodes.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from stree.verify import Draft, SamplingConfig, sample_from, target_probs
+
+# Modes a drafter with sampled children can run in, see ``Draft.mode``.
+SAMPLED_MODES = ("without_replacement", "iid")
+
+
+class Drafter(ABC):
+    """Builds a :class:`stree.verify.Draft` of a fixed size with a patched draft model.
+
+    Attributes (fixed per drafter, so the loop can size caches and buffers up front):
+        mode: the ``Draft.mode`` it produces (a static drafter's None: chosen per sampling
+            config, see :meth:`modes`).
+        num_nodes: tree size ``n``, root included.
+        depth: drafted layers below the root (= draft ``tree_forward`` calls per draft).
+        num_forwarded: leading nodes covered by the last draft ``tree_forward`` (all but the
+            deepest layer); 0 when the drafter never calls the draft model.
+        max_leaves: upper bound on root-to-leaf paths of any tree it builds.
+    """
+
+    mode: str
+
+    @property
+    @abstractmethod
+    def num_nodes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def depth(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_forwarded(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_leaves(self) -> int: ...
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.depth > 0
+
+    def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
+        """Modes this drafter can run in, best first for ``sampling``; overridden by drafters
+        whose children may be sampled."""
+        return (self.mode,)
+
+    def with_mode(self, mode: str) -> "Drafter":
+        """This drafter producing ``mode`` children (one of :meth:`modes`)."""
+        if mode != self.mode:
+            raise ValueError(f"{type(self).__name__} only drafts {self.mode!r} trees, not {mode!r}")
+        return self
+
+    @abstractmethod
+    def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
+              generator: torch.Generator | None = None) -> Draft:
+        """Draft one tree per row.
+
+        Args:
+            model: patched draft model (``tree_forward``); ``cache`` its ``TreeCache`` holding the
+                committed prefix, which ends just before the root.
+            roots: ``(b,)`` int64 node 0 of each row: the last accepted token, which neither
+                model has run yet.
+            sampling: target sampling config; sampled children are drawn from
+                ``target_probs(draft_logits, sampling)``, which is also what ``q`` holds.
+        Returns:
+            ``Draft(tree (b, n), q (b, n, v), mode)``; ``q`` rows of the deepest layer are 0
+            (never forwarded, and leaves' rows are unused by every verifier).
+        """
+
+
+def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfig,
+                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Choose ``count`` child tokens below each frontier node.
+
+    Args:
+        logits: ``(b, w, v)`` draft logits at ``w`` frontier nodes.
+        mode: "deterministic" (top-``count`` of the logits: the draft's own ranking, whatever the
+            temperature), "iid" / "chain" (i.i.d. draws from q), "without_replacement" (sequential
+            draws without replacement from q; draft order = draw order).
+    Returns:
+        tokens ``(b, w, count)`` int64 in draft order, and q ``(b, w, v)`` float32 =
+        ``target_probs(logits, sampling)``, the distribution sampled children came from.
+    """
+    q = target_probs(logits, sampling)
+    if mode == "deterministic":
+        return logits.topk(count, dim=-1).indices, q
+    if mode in ("iid", "chain"):
+        return sample_from(q.unsqueeze(-2).expand(*q.shape[:-1], count, q.shape[-1]), generator), q
+    if mode == "without_replacement":
+        # Exponential race: ordering q_i / E_i (E_i ~ Exp(1)) descending is a sequential sample
+        # without replacement (Gumbel-top-k in another guise). If q has fewer than ``count``
+        # tokens in its support the extra children get q == 0 tokens, which MSS always rejects.
+        e = torch.empty_like(q).exponential_(generator=generator)
+        return (q / e.clamp_min(torch.finfo(q.dtype).tiny)).topk(count, dim=-1).indices, q
+    raise ValueError(f"unknown draft mode {mode!r}")
+

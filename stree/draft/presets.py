@@ -1,0 +1,71 @@
+"""Named drafter presets and the drafter spec strings of the API and CLI.
+
+Spec strings: ``"chain:K"``, ``"static:NAME"`` (NAME in :data:`STATIC_TREES`), ``"static:w1,w2,..."``
+(layer widths), either static form with a ``":MODE"`` suffix (``"static:fig4a:iid"``),
+``"beam:NxM"`` (N steps, M beams), or a bare static name (``"fig4a"``, ``"A"``).
+
+The paper gives the static trees only as images (Fig. 4a, appendix Fig. 5) and Table 3's numbers
+(max width, depth below the root, tokens with the root). The shapes chosen here match those numbers
+and are stored as layer widths, nodes of a layer hanging round-robin from the layer above
+(:func:`stree.tree.parents_from_widths`), so the true figures can replace them by one line each:
+
+=======  ============  =====  =====  ====================================================
+name     widths        depth  nodes  shape
+=======  ============  =====  =====  ====================================================
+fig4a    3,3,3,3       4      13     root's top-3 children, each continued as a chain (Fig. 4a
+                                     caption: 4 steps, 3 tokens per layer; same tree as A)
+A        3,3,3,3       4      13     = fig4a
+B        4,8,16        3      29     4 children of the root, then 2 below every node
+C        3,6,6         3      16     3 children of the root, 2 below each, then chains
+D        4,4,2,2       4      13     4 children of the root, the first 2 continue to depth 4
+E        3,3,3,3,3     5      16     A one layer deeper (three chains of 5)
+=======  ============  =====  =====  ====================================================
+"""
+from __future__ import annotations
+
+import re
+
+from stree.draft.base import Drafter
+from stree.draft.beam import BeamTreeDrafter
+from stree.draft.chain import ChainDrafter
+from stree.draft.static import StaticTreeDrafter
+
+STATIC_TREES: dict[str, tuple[int, ...]] = {
+    "fig4a": (3, 3, 3, 3),
+    "A": (3, 3, 3, 3),
+    "B": (4, 8, 16),
+    "C": (3, 6, 6),
+    "D": (4, 4, 2, 2),
+    "E": (3, 3, 3, 3, 3),
+}
+
+_MODES = ("deterministic", "iid", "without_replacement")
+_HELP = ("expected 'chain:K', 'static:NAME' or 'static:W1,W2,...' (optionally ':MODE'), "
+         f"'beam:NxM', or a bare static name; NAME in {sorted(STATIC_TREES)}, MODE in {list(_MODES)}")
+
+
+def parse_drafter(spec: str | Drafter) -> Drafter:
+    """A drafter from a spec string (see the module docstring); a Drafter is returned as is."""
+    if isinstance(spec, Drafter):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"drafter must be a spec string or a Drafter, got {type(spec).__name__}")
+    kind, _, rest = spec.strip().partition(":")
+    if not rest and kind in STATIC_TREES:
+        kind, rest = "static", kind
+    if kind == "chain" and re.fullmatch(r"\d+", rest):
+        return ChainDrafter(int(rest))
+    if kind == "beam" and (m := re.fullmatch(r"(\d+)x(\d+)", rest)):
+        return BeamTreeDrafter(int(m[1]), int(m[2]))
+    if kind == "static" and rest:
+        shape, _, mode = rest.partition(":")
+        if mode and mode not in _MODES:
+            raise ValueError(f"unknown draft mode {mode!r} in drafter spec {spec!r}; {_HELP}")
+        if shape in STATIC_TREES:
+            widths = STATIC_TREES[shape]
+        elif re.fullmatch(r"\d+(,\d+)*", shape):
+            widths = tuple(int(w) for w in shape.split(","))
+        else:
+            raise ValueError(f"unknown static tree {shape!r} in drafter spec {spec!r}; {_HELP}")
+        return StaticTreeDrafter.from_widths(widths, mode=mode or None, name=f"static:{shape}")
+    raise ValueError(f"unknown drafter spec {spec!r}; {_HELP}")

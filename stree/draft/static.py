@@ -1,0 +1,134 @@
+"""Static-shape tree drafter: a fixed parent list whose slots are filled from the draft model.
+
+Each node's children are chosen from the parent's draft distribution, in one of three ways:
+``"deterministic"`` (the parent's top-c tokens, c = its number of children; what greedy and naive
+verification want), ``"iid"`` (c i.i.d. draws, what SpecInfer MSS needs to be lossless at T > 0) or
+``"without_replacement"`` (c sequential draws without replacement; MSS's DySpec variant, lossless and
+never wastes a slot on a duplicate sibling). Leaving ``mode=None`` picks ``"deterministic"`` for
+greedy sampling and ``"without_replacement"`` otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from stree.draft.base import SAMPLED_MODES, Drafter, pick_children
+from stree.tree import TokenTree, parents_from_widths
+from stree.verify import Draft, SamplingConfig
+
+
+@dataclass(frozen=True)
+class StaticTreeDrafter(Drafter):
+    """A tree of fixed shape drafted layer by layer.
+
+    Args:
+        parents: parent list, ``parents[0] == -1``, ``parents[i] < i``, in layer order (depth
+            non-decreasing with the index), so that each draft ``tree_forward`` covers a prefix.
+        mode: ``"deterministic"``, ``"iid"``, ``"without_replacement"``, ``"chain"`` (chains only)
+            or None (chosen from the sampling config, see the module docstring).
+        name: label used in statistics and errors.
+    """
+
+    parents: tuple[int, ...]
+    mode: str | None = None
+    name: str = "static"
+    # Derived tables, host-side: layer bounds, each node's column among its parent layer, and its
+    # rank among its siblings (draft order).
+    _bounds: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    _parent_col: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _rank: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _fanout: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        parents = tuple(int(p) for p in self.parents)
+        if not parents or parents[0] != -1:
+            raise ValueError(f"parents must start with -1 (the root), got {list(parents)}")
+        if any(not 0 <= p < i for i, p in enumerate(parents) if i):
+            raise ValueError(f"parents must satisfy 0 <= parents[i] < i, got {list(parents)}")
+        depth = [0] * len(parents)
+        for i, p in enumerate(parents[1:], start=1):
+            depth[i] = depth[p] + 1
+        if any(b < a for a, b in zip(depth, depth[1:])):
+            raise ValueError(f"parents must list the tree layer by layer (depth non-decreasing), "
+                             f"got depths {depth}")
+        if self.mode is not None and self.mode not in ("deterministic", "chain") + SAMPLED_MODES:
+            raise ValueError(f"unknown draft mode {self.mode!r}")
+        if self.mode == "chain" and any(p != i - 1 for i, p in enumerate(parents) if i):
+            raise ValueError("mode 'chain' needs a chain (parents[i] == i - 1)")
+        starts = [depth.index(d) for d in range(depth[-1] + 1)] + [len(parents)]
+        bounds = tuple(zip(starts[:-1], starts[1:]))
+        rank, seen = [0] * len(parents), {}
+        for i, p in enumerate(parents[1:], start=1):
+            rank[i] = seen.get(p, 0)
+            seen[p] = rank[i] + 1
+        col = [0] + [p - bounds[depth[p]][0] for p in parents[1:]]
+        fanout = tuple(max((seen.get(p, 0) for p in range(s, e)), default=0) for s, e in bounds)
+        object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "_bounds", bounds)
+        object.__setattr__(self, "_parent_col", tuple(col))
+        object.__setattr__(self, "_rank", tuple(rank))
+        object.__setattr__(self, "_fanout", fanout)
+
+    @classmethod
+    def from_widths(cls, widths: Sequence[int], mode: str | None = None,
+                    name: str = "static") -> "StaticTreeDrafter":
+        """Layer ``d`` has ``widths[d-1]`` nodes hanging round-robin from layer ``d-1``
+        (see :func:`stree.tree.parents_from_widths`)."""
+        return cls(tuple(parents_from_widths(widths)), mode=mode, name=name)
+
+    # ------------------------------------------------------------------------------------- shape
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return len(self._bounds) - 1
+
+    @property
+    def num_forwarded(self) -> int:
+        return self._bounds[-1][0] if self.depth else 0
+
+    @property
+    def max_leaves(self) -> int:
+        return self.num_nodes - len(set(self.parents[1:]))
+
+    # ------------------------------------------------------------------------------------- modes
+    def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
+        if self.mode is not None:
+            return (self.mode,)
+        if sampling.is_greedy:  # sampled siblings would all be the argmax
+            return ("deterministic",) + SAMPLED_MODES
+        return SAMPLED_MODES + ("deterministic",)
+
+    def with_mode(self, mode: str) -> "StaticTreeDrafter":
+        if mode == self.mode:
+            return self
+        if self.mode is not None or mode == "chain":
+            raise ValueError(f"{self.name} drafts {self.modes(SamplingConfig())} trees, not {mode!r}")
+        return replace(self, mode=mode)
+
+    # ------------------------------------------------------------------------------------- draft
+    def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
+              generator: torch.Generator | None = None) -> Draft:
+        mode = self.modes(sampling)[0]
+        device = roots.device
+        b, n = roots.shape[0], self.num_nodes
+        tokens = torch.zeros(b, n, dtype=torch.long, device=device)
+        tokens[:, 0] = roots
+        parents = torch.tensor(self.parents, device=device)
+        parent_col = torch.tensor(self._parent_col, device=device)
+        rank = torch.tensor(self._rank, device=device)
+        q = None
+        for d in range(self.depth):
+            (s, e), (cs, ce) = self._bounds[d], self._bounds[d + 1]
+            logits = model.tree_forward(TokenTree(tokens[:, :e], parents[:e]), cache)[:, s:e]
+            picks, probs = pick_children(logits, self._fanout[d], mode, sampling, generator)
+            if q is None:
+                q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
+            q[:, s:e] = probs
+            tokens[:, cs:ce] = picks[:, parent_col[cs:ce], rank[cs:ce]]
+        return Draft(TokenTree(tokens, parents), q, mode)

@@ -1,0 +1,381 @@
+"""``stree.generate``: STree's Algorithm 1 and its baselines as one loop of small steps.
+
+    prefill target and draft on the prompts; first token from the target's prefill logits
+    repeat:  draft a tree rooted at the last emitted token (seen by neither model yet)  [draft]
+             target.tree_forward(tree) -> logits (b, n, v); verifier -> Verdict          [verify]
+             emit accepted tokens + next token (EOS and max_new_tokens truncate)
+             target cache.commit(path): activation replay                               [replay]
+             draft cache.commit(path), or re-run the path as a chain when it reaches
+             the deepest draft layer, which the draft never forwarded                    [draft]
+             root <- next token
+
+The methods share that loop and its statistics and differ only in the drafter and the target side:
+
+* ``"tree"``: any drafter (default the Fig. 4a static tree), verified in one packed tree_forward.
+* ``"chain"``: a :class:`ChainDrafter` (default 4 tokens, 1 x 5 input; speculative sampling at
+  T > 0): vanilla speculative decoding with activation replay.
+* ``"ar"``: a root-only tree and no draft model: one token per target call.
+* ``"unrolled"``: the drafted tree's root-to-leaf paths as separate batch rows of chains (FSS on
+  unrolled sequences); same drafts and verdicts as ``"tree"``, for correctness comparisons.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
+from stree.stats import GenerationStats, timed
+from stree.tree import TokenTree
+from stree.verify import SamplingConfig, default_verifier, get_verifier, sample_from, target_probs
+
+METHODS = ("tree", "chain", "ar", "unrolled")
+DEFAULT_DRAFTERS = {"tree": "static:fig4a", "unrolled": "static:fig4a", "chain": "chain:4"}
+
+
+@dataclass
+class GenerationOutput:
+    """sequences: ``(b, max_len)`` int64 prompt + new tokens per row, right-padded with the pad id
+    (like mamba_ssm's ``generate`` when all rows have the same length); lengths: valid length of
+    each row; stats: :class:`GenerationStats`."""
+
+    sequences: Tensor
+    lengths: list[int]
+    stats: GenerationStats
+
+
+def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
+             drafter: str | Drafter | None = None, verifier=None, method: str = "tree",
+             generator: torch.Generator | None = None, streamer=None, pad_token_id: int | None = None,
+             max_seqlen: int | None = None) -> GenerationOutput:
+    """Generate with speculative tree decoding (or a baseline) from patched target/draft models.
+
+    Args:
+        target, draft: patched models (``stree.patch``) with the same vocabulary; ``draft`` may be
+            None for ``method="ar"``.
+        input_ids: ``(b, l)`` / ``(l,)`` tensor, or a list of 1-D prompts of different lengths.
+        max_new_tokens: exact cap on new tokens per row (an accepted path is truncated).
+        temperature, top_k, top_p: target sampling (``temperature == 0``: greedy).
+        eos_token_id: a row stops after emitting it (or any of a list).
+        drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
+            ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method.
+        verifier: "greedy" | "mss" | "naive" | "sps" | a verifier object; None picks the lossless
+            default for the sampling config and draft mode.
+        method: "tree" | "chain" | "ar" | "unrolled" (see the module docstring).
+        generator: torch.Generator for all sampling (drafts and verification).
+        streamer: object with ``put(tokens)`` / ``end()`` (mamba_ssm / Hugging Face style): gets the
+            prompt, then the tokens of every step as they are accepted. Batch size 1 only.
+        pad_token_id: pads ragged rows (default ``eos_token_id``, else 0).
+        max_seqlen: cache capacity; default prompt + max_new_tokens + tree size.
+    Raises:
+        ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
+            mismatch, an empty prompt, or a sequence that would not fit ``max_seqlen``.
+    """
+    start = time.perf_counter()
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    drafter, verifier = resolve(method, drafter, verifier, sampling)
+    if drafter.uses_draft_model:
+        _check_vocab(target, draft)
+    device = _device(target)
+    prompts = _as_prompts(input_ids, device)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    seqlen = _seqlen(prompts, max_new_tokens, drafter, max_seqlen)
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(f"a streamer needs batch size 1, got {len(prompts)} prompts")
+    eos = set() if eos_token_id is None else (
+        {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id})
+
+    stats = GenerationStats(method, drafter=getattr(drafter, "name", type(drafter).__name__),
+                            verifier=getattr(verifier, "name", type(verifier).__name__),
+                            batch_size=len(prompts))
+    b = len(prompts)
+    side = (_UnrolledTarget(target, b, drafter.max_leaves, seqlen) if method == "unrolled"
+            else _PackedTarget(target, b, seqlen))
+    drafting = _DraftSide(draft if drafter.uses_draft_model else None, drafter, b, seqlen, stats)
+    with torch.inference_mode():
+        new = _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, generator,
+                    streamer, stats, device)
+    stats.new_tokens = sum(len(t) for t in new)
+    stats.total_s = time.perf_counter() - start
+    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+    return _pack(prompts, new, pad, stats)
+
+
+def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
+    """The (drafter with its draft mode fixed, verifier) pair ``generate`` will run.
+
+    With no verifier, the drafter's preferred mode and its default lossless verifier. With a
+    verifier, top-k children where it is lossless with them (greedy sampling, naive), else the
+    first sampled mode it accepts. Raises ValueError for a pair that would not be lossless.
+    """
+    if method == "ar":
+        if drafter is not None or verifier is not None:
+            raise ValueError("method 'ar' drafts and verifies nothing: leave drafter and verifier None")
+        drafter = StaticTreeDrafter((-1,), mode="deterministic", name="none")
+    else:
+        drafter = parse_drafter(drafter if drafter is not None else DEFAULT_DRAFTERS[method])
+    if method == "chain" and not isinstance(drafter, ChainDrafter):
+        raise ValueError(f"method 'chain' needs a chain drafter ('chain:K'), got {drafter.name!r}")
+    modes = drafter.modes(sampling)
+    if verifier is None:
+        mode = modes[0]
+        verifier = default_verifier(sampling, mode)
+    else:
+        verifier = get_verifier(verifier)
+        ranked = sorted(modes, key=lambda m: m != "deterministic")
+        mode = next((m for m in ranked if _accepts(verifier, m, sampling)), modes[0])
+    verifier.check(mode, sampling)  # raises ValueError for a non-lossless pair
+    if getattr(verifier, "name", None) == "sps" and drafter.num_nodes != drafter.depth + 1:
+        raise ValueError(f"the 'sps' verifier needs a chain drafter, got {drafter.name!r}; "
+                         "use 'mss' or 'naive' for trees")
+    return drafter.with_mode(mode), verifier
+
+
+# ------------------------------------------------------------------------------------ the loop
+def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, generator, streamer,
+          stats, device) -> list[list[int]]:
+    """Run Algorithm 1 until every row is done; returns each row's new tokens."""
+    b = len(prompts)
+    new: list[list[int]] = [[] for _ in range(b)]
+    if streamer is not None:
+        streamer.put(prompts[0][None].cpu())
+    done = [max_new_tokens == 0] * b
+    if not all(done):
+        with timed(stats, "prefill_s", device):
+            last = side.prefill(prompts)
+            drafting.prefill(prompts)
+            roots = sample_from(target_probs(last, sampling), generator)
+        for r, tok in enumerate(roots.tolist()):
+            done[r] = _emit(new[r], [tok], max_new_tokens, eos, streamer)
+    while not all(done):
+        with timed(stats, "draft_s", device):
+            d = drafting.draft(roots, sampling, generator)
+        with timed(stats, "verify_s", device):
+            logits = side.logits(d.tree)
+            verdict = verifier.verify(d, logits, sampling, generator)
+        stats.target_calls += 1
+        accepted = d.tree.path_tokens(verdict.path)[:, 1:].tolist()
+        for r, (toks, nxt) in enumerate(zip(accepted, verdict.next_token.tolist())):
+            if done[r]:
+                continue
+            before = len(new[r])
+            done[r] = _emit(new[r], [t for t in toks if t >= 0] + [nxt], max_new_tokens, eos, streamer)
+            stats.record_step(len(new[r]) - before)
+        if all(done):
+            break
+        # Finished rows stop advancing (their later trees are padding).
+        path = verdict.path.masked_fill(torch.tensor(done, device=verdict.path.device)[:, None], -1)
+        with timed(stats, "replay_s", device):
+            side.commit(d.tree, path)
+        with timed(stats, "draft_s", device):
+            drafting.commit(d.tree, path)
+        roots = verdict.next_token
+    if streamer is not None:
+        streamer.end()
+    return new
+
+
+def _emit(row: list[int], tokens: list[int], max_new_tokens: int, eos: set[int], streamer) -> bool:
+    """Append ``tokens`` to ``row`` up to ``max_new_tokens`` and the first EOS; True if done."""
+    tokens = tokens[:max_new_tokens - len(row)]
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    if stop is not None:
+        tokens = tokens[:stop + 1]
+    row.extend(tokens)
+    if streamer is not None and tokens:
+        streamer.put(torch.tensor(tokens, dtype=torch.long))
+    return stop is not None or len(row) >= max_new_tokens
+
+
+# ------------------------------------------------------------------------------- draft side
+class _DraftSide:
+    """The draft model and its cache, kept in step with the target's committed sequence."""
+
+    def __init__(self, model, drafter: Drafter, batch_size: int, max_seqlen: int,
+                 stats: GenerationStats):
+        self.model, self.drafter, self.stats = model, drafter, stats
+        self.cache = None if model is None else model.allocate_tree_cache(batch_size, max_seqlen)
+
+    def prefill(self, prompts: list[Tensor]) -> None:
+        if self.model is not None:
+            _prefill(self.model, self.cache, prompts)
+
+    def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
+        self.stats.draft_calls += self.drafter.depth
+        return self.drafter.draft(self.model, self.cache, roots, sampling, generator)
+
+    def commit(self, tree: TokenTree, path: Tensor) -> None:
+        """Advance the draft along the target's accepted ``path`` (b, k), -1 padded."""
+        if self.model is None:
+            return
+        if int(path.max()) < self.drafter.num_forwarded:
+            # The draft's last tree_forward covered every path node (all layers above the deepest).
+            self.cache.commit(path[:, :self.drafter.depth])
+            return
+        # The path reaches the deepest layer, which the draft never ran: run it as a chain.
+        chain = TokenTree.chain(tree.path_tokens(path).clamp(min=0))  # padding: never committed
+        self.model.tree_forward(chain, self.cache)
+        self.stats.draft_calls += 1
+        steps = torch.arange(path.shape[1], device=path.device).expand_as(path)
+        self.cache.commit(torch.where(path >= 0, steps, -1))
+
+
+# ------------------------------------------------------------------------------ target sides
+class _PackedTarget:
+    """STree: the whole tree in one ``tree_forward``; commit replays the accepted path."""
+
+    def __init__(self, model, batch_size: int, max_seqlen: int):
+        self.model = model
+        self.cache = model.allocate_tree_cache(batch_size, max_seqlen)
+
+    def prefill(self, prompts: list[Tensor]) -> Tensor:
+        return _prefill(self.model, self.cache, prompts)
+
+    def logits(self, tree: TokenTree) -> Tensor:
+        return self.model.tree_forward(tree, self.cache)
+
+    def commit(self, tree: TokenTree, path: Tensor) -> None:
+        self.cache.commit(path)
+
+
+class _UnrolledTarget:
+    """Baseline: each root-to-leaf path of the tree is its own batch row, run as a chain.
+
+    Row ``r * U + j`` holds its own copy of row r's state (U = the drafter's ``max_leaves``; rows
+    beyond a tree's leaf count repeat its first path). Instead of replaying along the accepted
+    path, which most copies did not run, the accepted tokens become a prefix ("backlog") of every
+    copy's next chain and are committed from that forward.
+    """
+
+    def __init__(self, model, batch_size: int, leaves: int, max_seqlen: int):
+        self.model, self.leaves = model, leaves
+        self.cache = model.allocate_tree_cache(batch_size * leaves, max_seqlen)
+        self.backlog: list[list[int]] = [[] for _ in range(batch_size)]
+        self.width = 0  # length of the last forward's chains
+
+    def prefill(self, prompts: list[Tensor]) -> Tensor:
+        last = _prefill(self.model, self.cache, [p for p in prompts for _ in range(self.leaves)])
+        return last[::self.leaves]
+
+    def logits(self, tree: TokenTree) -> Tensor:
+        """(b, n, v): node i's logits from the first chain through it."""
+        b, n = tree.tokens.shape
+        U = self.leaves
+        tokens, paths, depth = tree.tokens.tolist(), tree.paths.tolist(), tree.depth.tolist()
+        chains = []
+        src = [[None] * n for _ in range(b)]
+        for r in range(b):
+            inner = set(tree.parents[r, 1:].tolist())
+            leaves = [i for i in range(n) if i not in inner]
+            if len(leaves) > U:
+                raise ValueError(f"tree has {len(leaves)} leaves, more than the {U} rows per prompt")
+            leaves += leaves[:1] * (U - len(leaves))
+            for j, leaf in enumerate(leaves):
+                nodes = [i for i in paths[r][leaf] if i >= 0]
+                chains.append(self.backlog[r] + [tokens[r][i] for i in nodes])
+                for i in nodes:
+                    src[r][i] = src[r][i] or (r * U + j, len(self.backlog[r]) + depth[r][i])
+        self.width = max(len(c) for c in chains)
+        padded = torch.tensor([c + [0] * (self.width - len(c)) for c in chains], device=tree.device)
+        logits = self.model.tree_forward(TokenTree.chain(padded), self.cache)
+        rows, pos = torch.tensor(src, device=logits.device).unbind(-1)
+        return logits[rows, pos]
+
+    def commit(self, tree: TokenTree, path: Tensor) -> None:
+        """Commit each copy's backlog; the accepted path becomes the next backlog."""
+        U = self.leaves
+        cpath = torch.full((len(self.backlog) * U, self.width), -1, dtype=torch.long)
+        for r, toks in enumerate(tree.path_tokens(path).tolist()):
+            if toks[0] < 0:  # finished row
+                continue
+            k = len(self.backlog[r])
+            cpath[r * U:(r + 1) * U, :k] = torch.arange(k)
+            self.backlog[r] = [t for t in toks if t >= 0]
+        if (cpath >= 0).any():
+            self.cache.commit(cpath.to(path.device))
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _prefill(model, cache, prompts: list[Tensor]) -> Tensor:
+    """Prefill and commit every prompt; returns the last position's logits ``(b, v)``."""
+    lengths = [len(p) for p in prompts]
+    if len(set(lengths)) == 1:
+        return model.prefill(torch.stack(prompts), cache)[:, -1]
+    logits = model.prefill(list(prompts), cache)  # ragged: rows prefilled separately
+    return logits[torch.arange(len(prompts)), torch.tensor(lengths) - 1]
+
+
+def _pack(prompts, new, pad: int, stats) -> GenerationOutput:
+    rows = [torch.cat([p.cpu(), torch.tensor(t, dtype=torch.long)]) for p, t in zip(prompts, new)]
+    lengths = [len(r) for r in rows]
+    seq = torch.full((len(rows), max(lengths)), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        seq[i, :len(r)] = r
+    return GenerationOutput(seq.to(prompts[0].device), lengths, stats)
+
+
+def _accepts(verifier, mode: str, sampling: SamplingConfig) -> bool:
+    try:
+        verifier.check(mode, sampling)
+    except ValueError:
+        return False
+    return True
+
+
+def vocab_size(model) -> int | None:
+    """Width of the model's logits: its LM head's rows, else a ``vocab_size`` attribute."""
+    head = getattr(model, "lm_head", None)
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    v = getattr(model, "vocab_size", None)
+    return None if v is None else int(v)
+
+
+def _check_vocab(target, draft) -> None:
+    if draft is None:
+        raise ValueError("this method needs a draft model (only method='ar' runs without one)")
+    vt, vd = vocab_size(target), vocab_size(draft)
+    if vt is not None and vd is not None and vt != vd:
+        raise ValueError(f"vocabulary mismatch: target logits have {vt} entries, draft {vd}; "
+                         "speculative decoding needs the same tokenizer and vocabulary size")
+
+
+def _device(model) -> torch.device:
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return param.device if param is not None else torch.device(getattr(model, "device", "cpu"))
+
+
+def _as_prompts(input_ids, device) -> list[Tensor]:
+    """Prompts as a list of 1-D int64 tensors on ``device``."""
+    if isinstance(input_ids, Tensor):
+        if input_ids.dim() not in (1, 2):
+            raise ValueError(f"input_ids must be (l,) or (b, l), got {tuple(input_ids.shape)}")
+        rows = [input_ids] if input_ids.dim() == 1 else list(input_ids)
+    elif isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], int):
+        rows = [input_ids]
+    else:
+        rows = list(input_ids)
+    if not rows:
+        raise ValueError("no prompts given")
+    prompts = [torch.as_tensor(r, device=device).long().view(-1) for r in rows]
+    empty = [i for i, p in enumerate(prompts) if p.numel() == 0]
+    if empty:
+        raise ValueError(f"empty prompt (row {empty[0]}): generation needs at least one prompt token")
+    return prompts
+
+
+def _seqlen(prompts, max_new_tokens: int, drafter: Drafter, max_seqlen: int | None) -> int:
+    """Cache capacity: committed tokens never exceed prompt + max_new_tokens - 2 before a tree of
+    ``num_nodes`` scratch positions is forwarded."""
+    need = max(len(p) for p in prompts) + max_new_tokens + drafter.num_nodes
+    if max_seqlen is not None and need > max_seqlen:
+        raise ValueError(
+            f"prompt length {max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} + tree "
+            f"size {drafter.num_nodes} = {need} exceeds max_seqlen {max_seqlen}")
+    return need if max_seqlen is None else max_seqlen
