@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-type", choices=["auto", "hybrid", "mamba"], default="auto",
                    help="checkpoint layout (auto: hybrid iff mamba_config.json exists)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from stree import demo
+
+    demo.build_parser(sub.add_parser("demo", help=demo.__doc__.split("\n")[0]))
     return parser
 
 
@@ -63,6 +66,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "demo":
+        from stree import demo
+
+        return demo.run(args)
     return 2
 
 

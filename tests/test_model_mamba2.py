@@ -18,12 +18,13 @@ ATOL = {torch.float32: 2e-4}
 
 
 def make_model(seed=0, n_layer=2, ngroups=1, attn_layer_idx=(), d_intermediate=0, dt_limit=None,
-               vocab=61, fused_add_norm=True):
+               vocab=61, fused_add_norm=True, **ssm_extra):
     torch.manual_seed(seed)
     ssm_cfg = {"layer": "Mamba2", "d_state": 16, "headdim": 16, "ngroups": ngroups,
                "use_mem_eff_path": False, "chunk_size": 16}
     if dt_limit is not None:
         ssm_cfg["dt_limit"] = dt_limit
+    ssm_cfg.update(ssm_extra)
     cfg = MambaConfig(d_model=64, n_layer=n_layer, vocab_size=vocab, ssm_cfg=ssm_cfg,
                       attn_layer_idx=list(attn_layer_idx),
                       attn_cfg={"num_heads": 4, "num_heads_kv": 2, "causal": True,
@@ -74,6 +75,10 @@ CASES = {
     "mamba2-mlp-3layers": dict(n_layer=3, d_intermediate=96),
     "hybrid-mha-50pct": dict(n_layer=2, attn_layer_idx=(1,)),
     "no-fused-add-norm": dict(fused_add_norm=False),
+    # (D_has_hdim=True cannot be checked here: upstream Mamba2.step itself fails on it)
+    "d_ssm-with-mlp-half": dict(d_ssm=64),
+    "mha-25pct": dict(n_layer=4, attn_layer_idx=(2,)),
+    "mha-100pct": dict(n_layer=2, attn_layer_idx=(0, 1)),
 }
 
 
