@@ -38,7 +38,9 @@ class TokenTree:
                  max_nodes: int = MAX_TREE_NODES):
         tokens = _as_long_tensor(tokens, "tokens")
         device = tokens.device
-        parents = _as_long_tensor(parents, "parents").to(device)
+        # Structure is validated and its tables built on the host (a parent list is tiny), then
+        # moved to the tokens' device once: no device round trips per check.
+        parents = _as_long_tensor(parents, "parents").cpu()
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
         if tokens.dim() != 2:
@@ -55,15 +57,31 @@ class TokenTree:
                 f"parents must be (n,) or (b, n) matching tokens {tuple(tokens.shape)}, "
                 f"got {tuple(parents.shape)}")
         parents = parents.expand(b, n).contiguous()
-        _validate(tokens, parents, vocab_size)
+        _validate_parents(parents)
+        _validate_tokens(tokens, vocab_size)
 
         self.tokens = tokens.contiguous()
-        self.parents = parents
-        self.depth, self.paths = _depth_and_paths(parents)
-        self.max_depth = self.paths.shape[-1] - 1
-        self.mask = _ancestor_mask(self.paths, n)
+        depth, paths = _depth_and_paths(parents)
+        self.max_depth = paths.shape[-1] - 1
+        self.parents, self.depth, self.paths, self.mask = (
+            t.to(device) for t in (parents, depth, paths, _ancestor_mask(paths, n)))
         self._windows: dict[int, torch.Tensor] = {}
         self._children: list[list[list[int]]] | None = None
+
+    def with_tokens(self, tokens) -> "TokenTree":
+        """A tree of the same shape with other tokens, sharing every table (no re-validation of
+        the structure): how a drafter reuses one template step after step."""
+        tokens = _as_long_tensor(tokens, "tokens")
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tuple(tokens.shape) != tuple(self.tokens.shape):
+            raise ValueError(f"tokens of shape {tuple(tokens.shape)} for a tree template of shape "
+                             f"{tuple(self.tokens.shape)}")
+        _validate_tokens(tokens, None)
+        other = object.__new__(TokenTree)
+        other.__dict__.update(self.__dict__)
+        other.tokens = tokens.to(self.device).contiguous()
+        return other
 
     # ----------------------------------------------------------------------------------- builders
     @classmethod
@@ -129,7 +147,11 @@ class TokenTree:
         return torch.where(path >= 0, tok, torch.full_like(tok, -1))
 
     def to(self, device) -> "TokenTree":
-        return TokenTree(self.tokens.to(device), self.parents.to(device))
+        other = object.__new__(TokenTree)
+        other.__dict__.update({k: (v.to(device) if torch.is_tensor(v) else v)
+                               for k, v in self.__dict__.items()})
+        other._windows = {}
+        return other
 
     def __repr__(self) -> str:
         return f"TokenTree(batch={self.batch_size}, nodes={self.num_nodes}, depth={self.max_depth})"
@@ -165,19 +187,23 @@ def _as_long_tensor(value, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a rectangular list of ints ({err})") from None
 
 
-def _validate(tokens: torch.Tensor, parents: torch.Tensor, vocab_size: int | None) -> None:
-    n = tokens.shape[1]
-    if (tokens < 0).any():
+def _validate_tokens(tokens: torch.Tensor, vocab_size: int | None) -> None:
+    lo, hi = (int(v) for v in torch.aminmax(tokens))  # one device sync for both bounds
+    if lo < 0:
         raise ValueError("tokens must be non-negative")
-    if vocab_size is not None and (tokens >= vocab_size).any():
-        raise ValueError(f"token id {int(tokens.max())} out of range for vocab_size {vocab_size}")
+    if vocab_size is not None and hi >= vocab_size:
+        raise ValueError(f"token id {hi} out of range for vocab_size {vocab_size}")
+
+
+def _validate_parents(parents: torch.Tensor) -> None:
+    n = parents.shape[1]
     if (parents[:, 0] != -1).any():
         raise ValueError("parents[0] must be -1: node 0 is the root")
     if n > 1:
         rest = parents[:, 1:]
         if (rest == -1).any():
             raise ValueError("several roots: only node 0 may have parent -1")
-        idx = torch.arange(1, n, device=parents.device)
+        idx = torch.arange(1, n)
         bad = (rest < 0) | (rest >= idx)
         if bad.any():
             r, i = (int(v) for v in bad.nonzero()[0])

@@ -41,6 +41,9 @@ class StaticTreeDrafter(Drafter):
     _parent_col: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _rank: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _fanout: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # TokenTree of each drafted prefix, per (batch, nodes, device): the structure and its tables
+    # (masks, conv windows) are built once and reused with new tokens every step.
+    _templates: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         parents = tuple(int(p) for p in self.parents)
@@ -71,6 +74,15 @@ class StaticTreeDrafter(Drafter):
         object.__setattr__(self, "_parent_col", tuple(col))
         object.__setattr__(self, "_rank", tuple(rank))
         object.__setattr__(self, "_fanout", fanout)
+        object.__setattr__(self, "_templates", {})
+
+    def tree(self, tokens: Tensor) -> TokenTree:
+        """``tokens (b, e)`` placed on the first ``e`` nodes of this tree, tables reused."""
+        b, e = tokens.shape
+        key = (b, e, tokens.device)
+        if key not in self._templates:
+            self._templates[key] = TokenTree(tokens, self.parents[:e])
+        return self._templates[key].with_tokens(tokens)
 
     @classmethod
     def from_widths(cls, widths: Sequence[int], mode: str | None = None,
@@ -119,16 +131,15 @@ class StaticTreeDrafter(Drafter):
         b, n = roots.shape[0], self.num_nodes
         tokens = torch.zeros(b, n, dtype=torch.long, device=device)
         tokens[:, 0] = roots
-        parents = torch.tensor(self.parents, device=device)
         parent_col = torch.tensor(self._parent_col, device=device)
         rank = torch.tensor(self._rank, device=device)
         q = None
         for d in range(self.depth):
             (s, e), (cs, ce) = self._bounds[d], self._bounds[d + 1]
-            logits = model.tree_forward(TokenTree(tokens[:, :e], parents[:e]), cache)[:, s:e]
+            logits = model.tree_forward(self.tree(tokens[:, :e]), cache)[:, s:e]
             picks, probs = pick_children(logits, self._fanout[d], mode, sampling, generator)
             if q is None:
                 q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
             q[:, s:e] = probs
             tokens[:, cs:ce] = picks[:, parent_col[cs:ce], rank[cs:ce]]
-        return Draft(TokenTree(tokens, parents), q, mode)
+        return Draft(self.tree(tokens), q, mode)
