@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["stree", "stree.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=...)
         "triton>=3.1",
         "einops",
         "transformers",

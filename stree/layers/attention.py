@@ -100,11 +100,10 @@ def tree_mask(tree, lengths: torch.Tensor, span: int) -> torch.Tensor:
 def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
     k = cache.k[:, :, :span]
     v = cache.v[:, :, :span]
-    rep = a.num_heads // a.num_key_value_heads
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale_of(a))
+    # enable_gqa: query head h reads K/V head h // (hq / hkv) without materialising repeated K/V
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask,
+                                         scale=scale_of(a),
+                                         enable_gqa=a.num_heads != a.num_key_value_heads)
     return out.transpose(1, 2).flatten(2)  # (b, l, hq * d)
 
 
