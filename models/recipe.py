@@ -1,0 +1,553 @@
+"""Train stree-tiny: a small hybrid Mamba2+attention target and a 2-layer Mamba2 draft distilled from it.
+
+Fully offline and seeded. The corpus is the Python standard library's source (``models/data.py``), the
+tokenizer a byte-level BPE trained on its training split, the target a MambaInLlama-layout hybrid
+(``stree.hybrid.MambaInLlamaForCausalLM``) trained with AdamW + cosine schedule, and the draft the same
+class with no attention layers and two layers, distilled from the target's logits (forward KL, computed
+on the fly, plus a little cross-entropy on the data). Both are saved in the public MambaInLlama layout
+(config.json + mamba_config.json + model.safetensors) with the tokenizer beside each, evaluated after
+loading back (so the card's numbers are those of the shipped weights), and described in a model card.
+
+    python models/recipe.py --out models/stree-tiny                      # CPU, 28 minutes all told
+    python models/recipe.py --out /tmp/trial/stree-tiny --budget-minutes 2  # calibration run
+    python models/recipe.py --out /tmp/big --device cuda                 # bigger config on a GPU
+
+Training runs for a wall-clock budget: the learning-rate schedule follows the elapsed fraction of the
+budget, so a run ends on time however busy the machine is. ``--target-steps``/``--draft-steps`` switch
+to a fixed number of steps (the schedule then follows the step count), which reproduces a run exactly;
+the card records the steps each run took.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # run as a script: make `stree` and `models.data` importable
+    sys.path.insert(0, str(_REPO))
+
+from models import data  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class ModelShape:
+    """Sizes of one MambaInLlama hybrid. Mamba layers follow the distillation mapping (d_state = head_dim,
+    nheads = num_heads, x/B groups = num_kv_heads); layers in ``attn_layers`` are Llama attention."""
+
+    hidden_size: int
+    num_layers: int
+    attn_layers: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    tie_embeddings: bool = False  # untied, as MambaInLlama's public checkpoints are
+
+    def to_config(self, vocab_size: int, eos_id: int, max_len: int):
+        from stree.hybrid import MambaInLlamaConfig
+
+        return MambaInLlamaConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, attn_layers=tuple(self.attn_layers),
+            tie_word_embeddings=self.tie_embeddings, max_position_embeddings=max_len,
+            bos_token_id=eos_id, eos_token_id=eos_id)
+
+
+@dataclass
+class TrainSettings:
+    """One training phase. ``steps`` None = run for ``budget_s`` seconds of wall clock."""
+
+    budget_s: float
+    steps: int | None = None
+    # 2048 tokens a step: ~2000 steps in a free 17-minute CPU phase, still a few hundred when the
+    # machine is shared (CPU tokens/s barely depends on the batch at this size).
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 3e-3  # tiny models, short runs: a high peak lr (warm-up and clipping keep it stable)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup: float = 0.03  # fraction of the run spent in linear warm-up
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    log_every: int = 25
+
+
+@dataclass
+class RecipeConfig:
+    """Everything that determines a run (recorded in the card and metrics.json)."""
+
+    seed: int = 1234
+    vocab_size: int = 4096
+    heldout_percent: float = 5.0
+    max_files: int | None = None  # smoke tests: a spread-out slice of the corpus
+    # Six layers against the draft's two: on a GPU these tiny models are launch-bound, so the cost ratio
+    # draft/target follows the layer count, and a deeper target leaves room for a speed-up. Width 192
+    # keeps a CPU run at ~0.5M tokens/17 min; d_state = head_dim = 64, GQA 3:1 (x/B groups likewise).
+    target: ModelShape = field(default_factory=lambda: ModelShape(
+        hidden_size=192, num_layers=6, attn_layers=(1, 3, 5), num_heads=3, num_kv_heads=1,
+        intermediate_size=512))
+    draft: ModelShape = field(default_factory=lambda: ModelShape(
+        hidden_size=128, num_layers=2, attn_layers=(), num_heads=2, num_kv_heads=1,
+        intermediate_size=320))
+    target_train: TrainSettings = field(default_factory=lambda: TrainSettings(budget_s=0.0))
+    draft_train: TrainSettings = field(default_factory=lambda: TrainSettings(budget_s=0.0))
+    kd_ce_weight: float = 0.1  # draft loss = KL(target || draft) + kd_ce_weight * CE(data)
+    kd_temperature: float = 1.0
+    eval_windows: int = 128  # held-out windows of seq_len tokens used for evaluation
+    save_dtype: str = "float16"  # storage dtype; loading casts back to fp32 (keeps both dirs < 20 MB)
+    device: str = "cpu"
+    threads: int = 2
+
+
+def preset(device: str) -> RecipeConfig:
+    """Default config for a device. The CPU preset is sized for ~28 minutes on 2 cores. The CUDA preset
+    has a deeper, wider target (8 layers, d_model 256; the same draft) and far bigger batches, so it sees
+    many epochs of the ~3.3M-token corpus; it still fits the 20 MB budget in fp16."""
+    cfg = RecipeConfig(device=device)
+    if device.startswith("cuda"):
+        cfg.target = ModelShape(hidden_size=256, num_layers=8, attn_layers=(1, 3, 5, 7), num_heads=4,
+                                num_kv_heads=2, intermediate_size=640)
+        cfg.target_train = TrainSettings(budget_s=0.0, batch_size=32, seq_len=512, lr=2e-3, log_every=100)
+        cfg.draft_train = TrainSettings(budget_s=0.0, batch_size=32, seq_len=512, lr=3e-3, log_every=100)
+        cfg.eval_windows = 256
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# Model construction
+# ------------------------------------------------------------------------------------------------
+def build_model(shape: ModelShape, vocab_size: int, eos_id: int, max_len: int, seed: int):
+    """A freshly initialised hybrid (seeded, so target and draft inits do not depend on each other)."""
+    from stree.hybrid import MambaInLlamaForCausalLM
+
+    config = shape.to_config(vocab_size, eos_id, max_len)
+    torch.manual_seed(seed)
+    model = MambaInLlamaForCausalLM(config)
+    init_weights(model, config, seed)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, config, seed: int) -> None:
+    """GPT-2/Llama-style init plus mamba_ssm's Mamba2 init, applied by parameter name so that training
+    does not depend on whatever the model class does at construction (it is written for loading).
+
+    * Linear / embedding: N(0, initializer_range); residual output projections (``out_proj``, ``o_proj``,
+      ``down_proj``) scaled by 1/sqrt(2 * num_layers), as GPT-2 and mamba_ssm do, so the residual stream
+      does not grow with depth.
+    * Mamba2: ``A_log = log U[1, 16]``, ``dt_bias = softplus^-1(dt)`` with ``dt`` log-uniform in
+      [1e-3, 1e-1] (floored at 1e-4), ``D = 1``; the depthwise conv keeps PyTorch's default init.
+    * Norm weights 1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+    resid_std = std / math.sqrt(2 * config.num_hidden_layers)
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""  # e.g. "out_proj"
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+        elif name.endswith("dt_bias"):
+            dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3))
+                           + math.log(1e-3)).clamp(min=1e-4)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        elif name.endswith(".D"):
+            p.fill_(1.0)
+        elif "norm" in name and name.endswith("weight"):
+            p.fill_(1.0)
+        elif "conv1d" in name:
+            continue  # PyTorch's default (kaiming-uniform) init, as mamba_ssm
+        elif name.endswith("bias"):
+            p.zero_()
+        elif p.dim() == 2:
+            s = resid_std if module in ("out_proj", "o_proj", "down_proj") else std
+            p.copy_(torch.randn(p.shape, generator=gen) * s)
+
+
+def _logits(out) -> torch.Tensor:
+    """The model returns logits; accept an output object with ``.logits`` too."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------
+def lr_at(progress: float, s: TrainSettings) -> float:
+    """Linear warm-up then cosine decay to ``lr * min_lr_ratio``; ``progress`` in [0, 1]."""
+    progress = min(max(progress, 0.0), 1.0)
+    if s.warmup > 0 and progress < s.warmup:
+        return s.lr * max(progress / s.warmup, 0.01)
+    t = (progress - s.warmup) / max(1.0 - s.warmup, 1e-9)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on vectors (norms, biases, A_log, dt_bias, D) or embeddings."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=1e-8)
+
+
+def train(model, loss_fn, batcher: data.Batcher, s: TrainSettings, device: str, name: str,
+          log=print) -> dict:
+    """Run one phase; ``loss_fn(model, x, y) -> (loss, ce)``. Returns steps, tokens, time, losses."""
+    model.to(device).train()
+    opt = make_optimizer(model, s)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else _null()
+    t0 = time.perf_counter()
+    step, tokens, ema, history = 0, 0, None, []
+    while True:
+        elapsed = time.perf_counter() - t0
+        if s.steps is not None:
+            if step >= s.steps:
+                break
+            progress = step / s.steps
+        else:
+            if elapsed >= s.budget_s:
+                break
+            progress = elapsed / s.budget_s
+        lr = lr_at(progress, s)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = batcher.next()
+        x, y = x.to(device), y.to(device)
+        with amp:
+            loss, ce = loss_fn(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        step += 1
+        tokens += x.numel()
+        ce_val = ce.item()
+        ema = ce_val if ema is None else 0.95 * ema + 0.05 * ce_val
+        if step % s.log_every == 0 or step == 1:
+            el = time.perf_counter() - t0
+            history.append({"step": step, "tokens": tokens, "seconds": round(el, 1), "train_ce_ema": round(ema, 4)})
+            log(f"[{name}] step {step:5d}  loss {loss.item():.4f}  ce(ema) {ema:.4f}  lr {lr:.2e}  "
+                f"{tokens / el:7.0f} tok/s  {el:6.0f}s")
+    seconds = time.perf_counter() - t0
+    model.eval()
+    return {"steps": step, "tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "final_train_ce_ema": ema,
+            "history": history}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def ce_loss(model, x, y):
+    """Next-token cross-entropy (the target's objective)."""
+    logits = _logits(model(x)).float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return ce, ce.detach()
+
+
+def kd_loss(target, ce_weight: float, temperature: float):
+    """Draft objective: forward KL to the target's (temperature-scaled) distribution, plus ``ce_weight``
+    times data cross-entropy. Forward KL (mass-covering) matches what speculative decoding rewards:
+    acceptance is sum_x min(p, q), and argmax agreement for greedy."""
+
+    def fn(model, x, y):
+        with torch.no_grad():
+            t_logits = _logits(target(x)).float()
+        d_logits = _logits(model(x)).float()
+        v = d_logits.shape[-1]
+        t_logp = F.log_softmax(t_logits.reshape(-1, v) / temperature, dim=-1)
+        d_logp = F.log_softmax(d_logits.reshape(-1, v) / temperature, dim=-1)
+        kl = F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean") * temperature ** 2
+        ce = F.cross_entropy(d_logits.reshape(-1, v), y.reshape(-1))
+        return kl + ce_weight * ce, ce.detach()
+
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation, saving
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(target, draft, windows: torch.Tensor, device: str, batch_size: int = 8) -> dict:
+    """Held-out metrics on ``windows (n, L+1)``:
+
+    * ``*_loss`` / ``*_ppl``: mean next-token cross-entropy (nats/token) and its exp;
+    * ``*_top1_acc``: argmax == next token;
+    * ``top1_agreement``: argmax draft == argmax target (per-token acceptance of greedy speculation);
+    * ``sampling_acceptance``: mean sum_x min(p_target, p_draft) at temperature 1 (per-token acceptance
+      of speculative sampling, Leviathan et al.).
+    """
+    target.to(device).eval()
+    draft.to(device).eval()
+    sums = dict.fromkeys(("target_loss", "draft_loss", "target_top1_acc", "draft_top1_acc",
+                          "top1_agreement", "sampling_acceptance"), 0.0)
+    n = 0
+    for i in range(0, windows.shape[0], batch_size):
+        w = windows[i:i + batch_size].to(device)
+        x, y = w[:, :-1], w[:, 1:]
+        lt = _logits(target(x)).float()
+        ld = _logits(draft(x)).float()
+        v = lt.shape[-1]
+        sums["target_loss"] += F.cross_entropy(lt.reshape(-1, v), y.reshape(-1), reduction="sum").item()
+        sums["draft_loss"] += F.cross_entropy(ld.reshape(-1, v), y.reshape(-1), reduction="sum").item()
+        at, ad = lt.argmax(-1), ld.argmax(-1)
+        sums["target_top1_acc"] += (at == y).sum().item()
+        sums["draft_top1_acc"] += (ad == y).sum().item()
+        sums["top1_agreement"] += (at == ad).sum().item()
+        sums["sampling_acceptance"] += torch.minimum(lt.softmax(-1), ld.softmax(-1)).sum(-1).sum().item()
+        n += y.numel()
+    out = {k: v / n for k, v in sums.items()}
+    out["target_ppl"] = math.exp(out["target_loss"])
+    out["draft_ppl"] = math.exp(out["draft_loss"])
+    out["eval_tokens"] = n
+    return out
+
+
+def save_checkpoint(model, tok, directory: Path, dtype: str) -> int:
+    """Save in the MambaInLlama layout in ``dtype`` (weights only; the live model is untouched) with the
+    tokenizer beside it. Returns the directory's size in bytes."""
+    stored = copy.deepcopy(model).to("cpu", getattr(torch, dtype))
+    stored.save_pretrained(str(directory))
+    data.save_tokenizer(tok, directory)
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+
+
+def load_checkpoint(directory: Path):
+    """Load back and cast to fp32: the checkpoint is stored in fp16/bf16 to stay small; CPU runs in fp32."""
+    from stree.hybrid import MambaInLlamaForCausalLM
+
+    return MambaInLlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+def run(cfg: RecipeConfig, out_dir: str | os.PathLike, card_path: str | os.PathLike | None = None,
+        command: str | None = None, log=print) -> dict:
+    """Train, save, reload, evaluate and describe both models. Returns the report (also metrics.json)."""
+    t_start = time.perf_counter()
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = cfg.device
+
+    corpus = data.load_corpus(heldout_percent=cfg.heldout_percent, max_files=cfg.max_files)
+    tok = data.train_tokenizer(corpus.train_texts, cfg.vocab_size)
+    eos = tok.token_to_id(data.EOS)
+    train_stream = data.encode_stream(tok, corpus.train_texts)
+    held_stream = data.encode_stream(tok, corpus.heldout_texts)
+    seq_len = cfg.target_train.seq_len
+    windows = data.eval_windows(held_stream, seq_len, cfg.eval_windows)
+    log(f"corpus: {len(corpus.train_paths)} train files ({train_stream.numel()} tokens), "
+        f"{len(corpus.heldout_paths)} held-out files ({held_stream.numel()} tokens); "
+        f"vocab {tok.get_vocab_size()}; {time.perf_counter() - t_start:.1f}s")
+    max_len = max(cfg.target_train.seq_len, cfg.draft_train.seq_len, 2048)
+
+    target = build_model(cfg.target, tok.get_vocab_size(), eos, max_len, cfg.seed)
+    t_stats = train(target, ce_loss, data.Batcher(train_stream, cfg.target_train.batch_size, seq_len, cfg.seed),
+                    cfg.target_train, device, "target", log)
+    draft = build_model(cfg.draft, tok.get_vocab_size(), eos, max_len, cfg.seed + 1)
+    d_stats = train(draft, kd_loss(target, cfg.kd_ce_weight, cfg.kd_temperature),
+                    data.Batcher(train_stream, cfg.draft_train.batch_size, cfg.draft_train.seq_len, cfg.seed + 1),
+                    cfg.draft_train, device, "draft", log)
+
+    sizes = {}
+    for name, model in (("target", target), ("draft", draft)):
+        sizes[name] = save_checkpoint(model, tok, out / name, cfg.save_dtype)
+    # Evaluate what was shipped: the stored (fp16/bf16) weights loaded back and cast to fp32.
+    target_l, draft_l = load_checkpoint(out / "target"), load_checkpoint(out / "draft")
+    storage_err = {name: _max_logit_diff(live, stored, windows[:1, :-1], device)
+                   for name, live, stored in (("target", target, target_l), ("draft", draft, draft_l))}
+    log(f"max |logit| change from {cfg.save_dtype} storage: " +
+        ", ".join(f"{k} {v:.2e}" for k, v in storage_err.items()))
+    metrics = evaluate(target_l, draft_l, windows, device)
+    log("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+    bytes_per_token = corpus.heldout_bytes / max(held_stream.numel(), 1)
+    report = {
+        "config": dataclasses.asdict(cfg),
+        "command": command,
+        "corpus": {"root": corpus.root, "train_files": len(corpus.train_paths),
+                   "heldout_files": len(corpus.heldout_paths), "train_tokens": int(train_stream.numel()),
+                   "heldout_tokens": int(held_stream.numel()), "train_bytes": corpus.train_bytes,
+                   "heldout_bytes": corpus.heldout_bytes, "heldout_bytes_per_token": bytes_per_token,
+                   "heldout_paths": corpus.heldout_paths},
+        "params": {"target": count_params(target), "draft": count_params(draft)},
+        "train": {"target": t_stats, "draft": d_stats},
+        "eval": metrics,
+        "bits_per_byte": {k: metrics[f"{k}_loss"] / math.log(2) / bytes_per_token for k in ("target", "draft")},
+        "checkpoint_bytes": sizes,
+        "storage_max_logit_diff": storage_err,
+        "env": {"python": platform.python_version(), "torch": torch.__version__,
+                "platform": platform.platform(), "device": _device_name(device), "threads": cfg.threads},
+        "wall_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    (out / "metrics.json").write_text(json.dumps(report, indent=2) + "\n")
+    card = Path(card_path) if card_path is not None else out.parent / "README.md"
+    card.write_text(render_card(report, os.path.relpath(out, card.resolve().parent)))
+    total = sum(sizes.values())
+    log(f"saved {out} ({total / 1e6:.1f} MB in both dirs), card {card}, {report['wall_seconds']:.0f}s total")
+    if total > 20e6:
+        log(f"WARNING: checkpoints take {total / 1e6:.1f} MB, over the 20 MB the repository allows")
+    return report
+
+
+@torch.no_grad()
+def _max_logit_diff(live, stored, x: torch.Tensor, device: str) -> float:
+    """Largest logit change (one held-out window) between the trained fp32 model and its stored copy."""
+    x = x.to(device)
+    return (_logits(live.to(device).float()(x)).float() - _logits(stored.to(device)(x)).float()).abs().max().item()
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}{'' if k == 1 else 's'}"
+
+
+def render_card(r: dict, rel: str) -> str:
+    """The model card (Markdown) from a run report; ``rel`` is the output dir relative to the card."""
+    c, e, cor, tr = r["config"], r["eval"], r["corpus"], r["train"]
+
+    def shape(s):
+        kind = f"attention layers {list(s['attn_layers'])}" if s["attn_layers"] else "no attention (pure Mamba2)"
+        return (f"{_n(s['num_layers'], 'layer')}, d_model {s['hidden_size']}, {kind}; {_n(s['num_heads'], 'head')} "
+                f"(d_state = head_dim = {s['hidden_size'] // s['num_heads']}), {s['num_kv_heads']} KV / x-B "
+                f"group{'s' if s['num_kv_heads'] > 1 else ''}; SwiGLU MLP {s['intermediate_size']}; "
+                f"{'tied' if s['tie_embeddings'] else 'untied'} embeddings")
+
+    def phase(t, s):
+        mode = f"{s['steps']} steps" if s["steps"] else f"{s['budget_s'] / 60:.1f} min budget"
+        return (f"{t['steps']} steps x {s['batch_size']} x {s['seq_len']} tokens = {t['tokens'] / 1e6:.2f}M tokens "
+                f"({t['tokens'] / cor['train_tokens']:.2f} epochs) in {t['seconds'] / 60:.1f} min "
+                f"({t['tokens_per_s']:.0f} tokens/s; {mode}); AdamW lr {s['lr']} betas {tuple(s['betas'])} "
+                f"wd {s['weight_decay']}, warm-up {s['warmup']:.0%} then cosine to {s['min_lr_ratio']}x, "
+                f"clip {s['grad_clip']}")
+
+    mb = {k: v / 1e6 for k, v in r["checkpoint_bytes"].items()}
+    return f"""# stree-tiny: a real target/draft pair for speculative decoding tests and benchmarks
+
+Generated by `models/recipe.py` (do not edit by hand; rerun the recipe). Two small models trained here,
+offline, on Python source code, so that speculative decoding has real (not random) acceptance:
+
+| | target (`{rel}/target`) | draft (`{rel}/draft`) |
+|---|---|---|
+| architecture | MambaInLlama hybrid: {shape(c['target'])} | {shape(c['draft'])} |
+| parameters | {r['params']['target']:,} | {r['params']['draft']:,} |
+| checkpoint | {mb['target']:.1f} MB ({c['save_dtype']}) | {mb['draft']:.1f} MB ({c['save_dtype']}) |
+| held-out loss (nats/token) | {e['target_loss']:.4f} | {e['draft_loss']:.4f} |
+| held-out perplexity | {e['target_ppl']:.2f} | {e['draft_ppl']:.2f} |
+| held-out bits/byte | {r['bits_per_byte']['target']:.3f} | {r['bits_per_byte']['draft']:.3f} |
+| held-out top-1 accuracy | {e['target_top1_acc']:.4f} | {e['draft_top1_acc']:.4f} |
+
+**Draft vs target on held-out text** ({e['eval_tokens']:,} positions, teacher-forced):
+top-1 agreement (argmax draft == argmax target; the per-token acceptance rate of greedy speculation)
+**{e['top1_agreement']:.4f}**; expected per-token acceptance of speculative sampling at temperature 1
+(mean of sum_x min(p, q)) **{e['sampling_acceptance']:.4f}**.
+
+## Layout and loading
+Each directory is a public MambaInLlama checkpoint: `config.json` (Llama config), `mamba_config.json`
+(MambaInLlama `MambaConfig`), `model.safetensors` (stored in {c['save_dtype']} to keep the repository small)
+plus `tokenizer.json` (+ `tokenizer_config.json` for `transformers.AutoTokenizer`). Load with
+`stree.hybrid.MambaInLlamaForCausalLM.from_pretrained(dir, dtype=torch.float32)` (the card's numbers are of the stored
+weights loaded back and cast to fp32; storage changes the logits by at most
+{max(r['storage_max_logit_diff'].values()):.1e} on a held-out window). Both models share one tokenizer: byte-level BPE, vocab
+{c['vocab_size']}, `<|endoftext|>` = id 0 is EOS and BOS (training documents are `<|endoftext|>` + file
+text, so prefix prompts with it), `<|pad|>` = id 1.
+
+## Data
+The Python {r['env']['python']} standard library's `*.py` files (`{cor['root']}`), sorted, without test
+suites (`test`/`tests`/`idle_test` dirs, `test_*` files) or `site-packages`: {cor['train_files']} training
+files ({cor['train_bytes'] / 1e6:.1f} MB, {cor['train_tokens']:,} tokens) and {cor['heldout_files']} held-out
+files ({cor['heldout_bytes'] / 1e6:.2f} MB, {cor['heldout_tokens']:,} tokens) chosen by sha1 of the relative
+path ({c['heldout_percent']}%; list in `metrics.json`). The same Python version gives the same corpus
+on any machine. Evaluation uses {c['eval_windows']} non-overlapping held-out windows of
+{c['target_train']['seq_len']} tokens spread over the held-out stream.
+
+## Training
+- Target: {phase(tr['target'], c['target_train'])}. Objective: next-token cross-entropy.
+- Draft: {phase(tr['draft'], c['draft_train'])}. Objective: KL(target || draft) at temperature
+  {c['kd_temperature']} on target logits computed on the fly, + {c['kd_ce_weight']} x cross-entropy.
+- Seed {c['seed']}; {r['env']['device']}, {r['env']['threads']} threads; Python {r['env']['python']},
+  torch {r['env']['torch']}; {r['wall_seconds'] / 60:.1f} min wall clock in all.
+- Command: `{r['command']}`
+
+Training for a wall-clock budget makes the step count (and the schedule's position at each step) depend
+on the machine's load. `--target-steps {tr['target']['steps']} --draft-steps {tr['draft']['steps']}` reruns with this run's
+step counts on a step-based schedule, which repeats exactly from run to run.
+
+## Intended use
+Tests and benchmarks of speculative (tree) decoding: a real target whose distribution a draft
+approximates imperfectly. These are tiny models of Python code; they are not useful language models.
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output dir; gets target/ and draft/ checkpoints")
+    p.add_argument("--card", default=None, help="model card path (default: OUT/../README.md)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda selects the bigger preset)")
+    p.add_argument("--budget-minutes", type=float, default=28.0,
+                   help="total wall clock; ~62%% target, ~31%% draft, the rest data/eval/saving")
+    p.add_argument("--target-steps", type=int, default=None, help="fixed steps instead of the budget")
+    p.add_argument("--draft-steps", type=int, default=None, help="fixed steps instead of the budget")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    p.add_argument("--max-files", type=int, default=None, help="corpus slice (smoke runs)")
+    return p.parse_args(argv)
+
+
+def config_from_args(args) -> RecipeConfig:
+    cfg = preset(args.device)
+    budget = args.budget_minutes * 60
+    cfg.target_train.budget_s = 0.62 * budget
+    cfg.draft_train.budget_s = 0.31 * budget
+    cfg.target_train.steps = args.target_steps
+    cfg.draft_train.steps = args.draft_steps
+    if args.seed is not None:
+        cfg.seed = args.seed
+    if args.threads is not None:
+        cfg.threads = args.threads
+    cfg.max_files = args.max_files
+    return cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    command = "python models/recipe.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    run(config_from_args(args), args.out, args.card, command=command)
+
+
+if __name__ == "__main__":
+    main()
