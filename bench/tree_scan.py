@@ -20,21 +20,14 @@ times the layer.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import datetime
-import json
 import math
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, cpu_workarounds, metadata as run_metadata, result_stem, time_fn, write_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +69,7 @@ def parse_args():
             args.dtype = "fp32"  # the interpreter computes bf16 wrongly
         # The test suite's CPU workarounds: Triton interpreter, mamba_ssm's torch.cuda.device
         # wrappers, one config per autotuner (the interpreter cannot benchmark candidates).
-        import tests.conftest  # noqa: F401
+        cpu_workarounds()
     if args.nodes is None:
         args.nodes = [3, 7] if args.tiny else [15, 31, 63]
     if args.tiny:
@@ -284,47 +277,7 @@ def reference(inp, layer: Layer):
                          dt_bias=f32["dt_bias"], initial_states=f32["h0"])[0]
 
 
-# ---- timing ------------------------------------------------------------------------------
-
-def time_fn(fn, device, warmup, repeats, inner, graphs):
-    """Median seconds per call. On CUDA: events around ``inner`` calls (or graph replays)."""
-    if device.type != "cuda":
-        for _ in range(warmup):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples.append((time.perf_counter() - t0) / inner)
-        return statistics.median(samples), False
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (Triton compiles, autotunes) off the capture stream
-        for _ in range(max(warmup, 3)):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    run = fn
-    if graphs:
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run = graph.replay
-        except Exception as err:  # a host sync inside fn: report eager timing, say so
-            print(f"  (CUDA graph capture failed, timing eagerly: {type(err).__name__}: {err})")
-            graphs = False
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(inner):
-            run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / inner)
-    return statistics.median(samples), graphs
-
+# ---- checks ------------------------------------------------------------------------------
 
 def rel_err(out, ref):
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -333,21 +286,9 @@ def rel_err(out, ref):
 # ---- main --------------------------------------------------------------------------------
 
 def metadata(device, dtype, args):
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                capture_output=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, text=True,
-                                    capture_output=True).stdout.strip())
-        commit += "-dirty" if dirty else ""
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        commit = "unknown"
     import triton
     return dict(
-        device=(torch.cuda.get_device_name(device) if device.type == "cuda"
-                else platform.processor() or platform.machine()),
-        commit=commit,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__, triton=triton.__version__, dtype=str(dtype).replace("torch.", ""),
+        run_metadata(device), triton=triton.__version__, dtype=str(dtype).replace("torch.", ""),
         conv_backend=conv_backend()[0], cuda_graphs=not args.no_graphs and device.type == "cuda",
     )
 
@@ -403,16 +344,9 @@ def report(rows, args):
               f"{r['speedup_of_packed']:>9.2f} {model_ms:>12} {r['max_rel_err']:>8.1e}")
     print("(* fastest chunk size; 'x packed' = this time / packed time; the whole-model column is "
           "layers x one layer's conv + SSM, without projections, norms or attention)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = rows[0]["date"].replace(":", "").replace("-", "")[:15]
     tag = "tiny" if args.tiny else "full"
-    stem = args.out / f"tree_scan_{tag}_{rows[0]['device'].replace(' ', '_')}_{stamp}"
-    with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    Path(f"{stem}.json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {stem}.csv and .json")
+    paths = write_rows(rows, result_stem(args.out, f"tree_scan_{tag}", rows[0]))
+    print("wrote " + " and ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,360 @@
+"""End-to-end decoding benchmark: tau, acceptance histograms and tokens/s of each method over a prompt set.
+
+Methods (``--methods``), all through ``stree.generate`` with batch size 1, one prompt at a time:
+
+* ``ar``: autoregressive decoding (one token per target call);
+* ``chain:K``: vanilla speculative decoding with a K-token draft chain (speculative sampling at T > 0);
+* ``tree:SPEC``: STree with drafter SPEC (``static:fig4a``, ``beam:4x3``, ... see ``stree.draft.presets``);
+* ``unrolled:SPEC``: the same drafts verified as separate root-to-leaf chains (a correctness baseline).
+
+Correctness first: at temperature 0 every method must emit exactly the same tokens for every prompt
+(greedy decoding is lossless), else the script prints the first difference and exits 1 before writing
+anything. Each (method, temperature) is warmed up once on the first prompt, then timed over all prompts;
+at T > 0 prompt i is sampled with a generator seeded ``seed + i`` for every method.
+
+Per (method, temperature) it aggregates, over prompts: new tokens, target and draft calls, steps, tau
+(tokens per step, counted the same way for every method by ``stree.stats.GenerationStats``), the merged
+accepted-length histogram, tokens/s (all new tokens / all wall time, prefill included), the draft /
+verify / replay time split and the speed-up over ``ar`` at the same temperature. It prints a markdown
+table and writes, under ``--out``: ``e2e_*.csv/.json`` (one row per method x temperature),
+``e2e_*_per_prompt.csv/.json`` (one row per prompt, method and temperature) and ``e2e_*.png`` (tau and
+tokens/s bars, acceptance histograms; needs matplotlib), every row tagged with device, commit and date.
+
+    python bench/e2e.py --models models/stree-tiny --prompts humaneval --limit 20 --max-new-tokens 128 \\
+        --temperatures 0 1 --methods ar chain:4 tree:static:fig4a tree:beam:4x3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE.parent), str(_HERE)):  # run as a script from anywhere: stree and _common
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_METHODS = ("ar", "chain:4", "tree:static:fig4a", "tree:beam:4x3")
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Method:
+    """One benchmarked method: ``label`` as given on the command line, the ``stree.generate``
+    method and its drafter spec."""
+
+    label: str
+    method: str
+    drafter: str | None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Method":
+        kind, _, rest = spec.partition(":")
+        if kind == "ar" and not rest:
+            return cls(spec, "ar", None)
+        if kind == "chain" and rest:
+            return cls(spec, "chain", spec)
+        if kind in ("tree", "unrolled") and rest:
+            return cls(spec, kind, rest)
+        raise ValueError(f"unknown method {spec!r}: expected ar, chain:K, tree:SPEC or unrolled:SPEC")
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    draft: str
+    prompts: str
+    limit: int | None
+    max_new_tokens: int
+    temperatures: list[float]
+    methods: list[Method]
+    device: str
+    dtype: str
+    seed: int
+    out: Path
+
+
+@dataclass
+class Totals:
+    """One (method, temperature)'s statistics summed over prompts."""
+
+    prompts: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    accept_hist: dict[int, int] = field(default_factory=dict)
+    total_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    replay_s: float = 0.0
+
+    def add(self, stats) -> None:
+        self.prompts += 1
+        for name in ("new_tokens", "steps", "target_calls", "draft_calls", "total_s", "prefill_s",
+                     "draft_s", "verify_s", "replay_s"):
+            setattr(self, name, getattr(self, name) + getattr(stats, name))
+        for k, c in stats.accept_hist.items():
+            self.accept_hist[k] = self.accept_hist.get(k, 0) + c
+
+    @property
+    def tau(self) -> float:
+        """Tokens per step over all prompts (the merged histogram's mean)."""
+        return (sum(k * c for k, c in self.accept_hist.items()) / self.steps if self.steps
+                else float("nan"))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
+
+
+# ---- setup -------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> BenchConfig:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", help="directory holding target/ and draft/ (e.g. models/stree-tiny)")
+    ap.add_argument("--target", help="target model directory (default: MODELS/target)")
+    ap.add_argument("--draft", help="draft model directory (default: MODELS/draft)")
+    ap.add_argument("--prompts", default="humaneval", help="humaneval | mtbench | path to a .jsonl file")
+    ap.add_argument("--limit", type=int, default=20, help="first N prompts (default 20)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                    help="ar | chain:K | tree:SPEC | unrolled:SPEC (default: %(default)s)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=list(DTYPES), default=None,
+                    help="default bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i at T > 0")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    a = ap.parse_args(argv)
+    target = a.target or (a.models and os.path.join(a.models, "target"))
+    draft = a.draft or (a.models and os.path.join(a.models, "draft"))
+    if not target or not draft:
+        ap.error("give --models DIR (with target/ and draft/) or both --target and --draft")
+    try:
+        methods = [Method.parse(m) for m in a.methods]
+    except ValueError as err:
+        ap.error(str(err))
+    dtype = a.dtype or ("bf16" if torch.device(a.device).type == "cuda" else "fp32")
+    return BenchConfig(target=target, draft=draft, prompts=a.prompts, limit=a.limit,
+                       max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, methods=methods,
+                       device=a.device, dtype=dtype, seed=a.seed, out=a.out)
+
+
+def bos_token_id(model_dir: str) -> int | None:
+    """``bos_token_id`` of the checkpoint's config.json, if it names one."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        bos = json.load(f).get("bos_token_id")
+    return int(bos) if isinstance(bos, int) else None
+
+
+def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
+    """Token ids of each prompt, the target's BOS first when its config has one (the shipped
+    models saw ``<|endoftext|>`` = BOS before every training file)."""
+    from stree.prompts import load_prompts
+
+    texts = load_prompts(cfg.prompts, limit=cfg.limit)
+    if not texts:
+        raise SystemExit(f"prompt set {cfg.prompts!r} gave no prompts")
+    bos = bos_token_id(cfg.target)
+    prefix = [] if bos is None else [bos]
+    return [torch.tensor(prefix + tokenizer.encode(t).ids, dtype=torch.long, device=device)
+            for t in texts]
+
+
+# ---- runs --------------------------------------------------------------------------------
+
+def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: int,
+            max_new_tokens: int):
+    """One ``stree.generate`` call for one prompt; returns its GenerationOutput."""
+    from stree.generate import generate
+
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=ids.device).manual_seed(seed)
+    return generate(target, draft if method.method != "ar" else None, ids[None], max_new_tokens,
+                    temperature=temperature, eos_token_id=eos, drafter=method.drafter,
+                    method=method.method, generator=generator)
+
+
+def first_mismatch(outputs: dict[str, list[list[int]]]) -> str | None:
+    """None if every method's tokens equal the first method's for every prompt, else a message
+    naming the first prompt, the two methods and the first position where they differ."""
+    (ref_name, ref), *others = outputs.items()
+    for name, toks in others:
+        for i, (a, b) in enumerate(zip(ref, toks)):
+            if a == b:
+                continue
+            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return (f"prompt {i}: {name!r} differs from {ref_name!r} at new token {pos} "
+                    f"({_token_at(b, pos)} vs {_token_at(a, pos)}; lengths {len(b)} vs {len(a)})")
+    return None
+
+
+def _token_at(tokens: list[int], pos: int):
+    return tokens[pos] if pos < len(tokens) else "end"
+
+
+def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
+    """Run every (temperature, method, prompt); returns (summary rows, per-prompt rows, T=0 error)."""
+    summary, per_prompt = [], []
+    for temperature in cfg.temperatures:
+        tokens: dict[str, list[list[int]]] = {}
+        totals: dict[str, Totals] = {}
+        for method in cfg.methods:
+            # warm up once: lazy initialisation, Triton compilation, allocator growth
+            run_one(target, draft, prompts[0], method, temperature, eos, cfg.seed,
+                    min(WARMUP_TOKENS, cfg.max_new_tokens))
+            totals[method.label] = tot = Totals()
+            tokens[method.label] = []
+            for i, ids in enumerate(prompts):
+                out = run_one(target, draft, ids, method, temperature, eos, cfg.seed + i,
+                              cfg.max_new_tokens)
+                new = out.sequences[0, len(ids):out.lengths[0]].tolist()
+                tokens[method.label].append(new)
+                tot.add(out.stats)
+                per_prompt.append(prompt_row(meta, method, temperature, i, len(ids), out.stats))
+            print(f"  T={temperature:g} {method.label:<22} tau {tot.tau:5.2f}  "
+                  f"{tot.tokens_per_s:8.1f} tok/s", flush=True)
+        error = first_mismatch(tokens) if temperature == 0 else None
+        if error is not None:
+            return summary, per_prompt, error
+        summary += summary_rows(meta, cfg, temperature, totals)
+    return summary, per_prompt, None
+
+
+def prompt_row(meta, method: Method, temperature, index, prompt_tokens, stats) -> dict:
+    return dict(meta, method=method.label, drafter=stats.drafter, verifier=stats.verifier,
+                temperature=temperature, prompt_index=index, prompt_tokens=prompt_tokens,
+                new_tokens=stats.new_tokens, steps=stats.steps, target_calls=stats.target_calls,
+                draft_calls=stats.draft_calls, tau=stats.tau, tokens_per_s=stats.tokens_per_s,
+                total_s=stats.total_s, prefill_s=stats.prefill_s, draft_s=stats.draft_s,
+                verify_s=stats.verify_s, replay_s=stats.replay_s,
+                accept_hist={str(k): v for k, v in sorted(stats.accept_hist.items())})
+
+
+def summary_rows(meta, cfg: BenchConfig, temperature, totals: dict[str, Totals]) -> list[dict]:
+    ar = totals.get("ar")
+    rows = []
+    for method in cfg.methods:
+        t = totals[method.label]
+        rows.append(dict(
+            meta, method=method.label, temperature=temperature, prompts=t.prompts,
+            new_tokens=t.new_tokens, steps=t.steps, target_calls=t.target_calls,
+            draft_calls=t.draft_calls, tau=t.tau, tokens_per_s=t.tokens_per_s,
+            speedup_vs_ar=t.tokens_per_s / ar.tokens_per_s if ar else None,
+            total_s=t.total_s, prefill_s=t.prefill_s, draft_s=t.draft_s, verify_s=t.verify_s,
+            replay_s=t.replay_s, accept_hist={str(k): v for k, v in sorted(t.accept_hist.items())},
+            t0_identical=True if temperature == 0 else None))
+    return rows
+
+
+# ---- report ------------------------------------------------------------------------------
+
+def markdown_table(rows: list[dict]) -> str:
+    """The summary rows as a markdown table (for the README)."""
+    lines = ["| method | T | tau | tok/s | speed-up vs AR | target calls | new tokens | "
+             "draft / verify / replay s | tokens per step: steps |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] is not None else "-"
+        hist = " ".join(f"{k}:{v}" for k, v in r["accept_hist"].items())
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tau']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {speedup} | {r['target_calls']} | {r['new_tokens']} | "
+                     f"{r['draft_s']:.2f} / {r['verify_s']:.2f} / {r['replay_s']:.2f} | {hist} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """tau and tokens/s bars per method and the acceptance histograms, one row per temperature.
+    Returns False (and says so) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no plot written")
+        return False
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    temps = list(dict.fromkeys(r["temperature"] for r in rows))
+    fig, axes = plt.subplots(len(temps), 3, figsize=(15, 3.6 * len(temps)), squeeze=False)
+    for ax_row, temp in zip(axes, temps):
+        sel = [r for r in rows if r["temperature"] == temp]
+        names = [r["method"] for r in sel]
+        for ax, key, label in ((ax_row[0], "tau", "tau (tokens / step)"),
+                               (ax_row[1], "tokens_per_s", "tokens / s")):
+            ax.bar(names, [r[key] for r in sel], color="C0")
+            ax.set_title(f"{label}, T = {temp:g}")
+            ax.tick_params(axis="x", labelrotation=20)
+        ax = ax_row[2]
+        ks = sorted({int(k) for r in sel for k in r["accept_hist"]})
+        width = 0.8 / max(len(sel), 1)
+        for j, r in enumerate(sel):
+            frac = [r["accept_hist"].get(str(k), 0) / max(r["steps"], 1) for k in ks]
+            ax.bar([k + (j - (len(sel) - 1) / 2) * width for k in ks], frac, width, label=r["method"])
+        ax.set_xticks(ks)
+        ax.set_xlabel("tokens emitted per step")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title(f"acceptance histogram, T = {temp:g}")
+        ax.legend(fontsize="small")
+    meta = rows[0]
+    fig.suptitle(f"{meta['target_dir']}: {meta['prompt_set']} ({meta['n_prompts']} prompts, "
+                 f"{meta['max_new_tokens']} new tokens) on {meta['device']}, {meta['commit']}, "
+                 f"{meta['date']}", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- main --------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    from stree.cli import default_eos, load_model, load_tokenizer
+
+    device = torch.device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    tokenizer = load_tokenizer(cfg.target)
+    target = load_model(cfg.target, device, dtype)
+    needs_draft = any(m.method != "ar" for m in cfg.methods)
+    draft = load_model(cfg.draft, device, dtype) if needs_draft else None
+    eos = default_eos(cfg.target, tokenizer)
+    prompts = encode_prompts(cfg, tokenizer, device)
+    meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
+                target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
+                prompt_set=cfg.prompts, limit=cfg.limit, n_prompts=len(prompts),
+                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos)
+    print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} | "
+          f"{meta['torch_threads']} torch threads | {len(prompts)} prompts of {cfg.prompts} | "
+          f"max {cfg.max_new_tokens} new tokens")
+    summary, per_prompt, error = benchmark(cfg, target, draft, prompts, eos, meta)
+    if error is not None:
+        print(f"\nFAILED: at temperature 0 all methods must emit identical tokens; {error}. "
+              "No results written.")
+        return 1
+    print("\n" + markdown_table(summary) + "\n")
+    stem = result_stem(cfg.out, f"e2e_{Path(cfg.prompts).stem}", meta)
+    written = (write_rows(summary, stem)
+               + write_rows(per_prompt, stem.with_name(stem.name + "_per_prompt")))
+    png = stem.with_name(stem.name + ".png")
+    if plot(summary, png):
+        written.append(png)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Smoke runs of the benchmark scripts on tiny random models (CPU, seconds).
+
+* ``bench/e2e.py`` on a tiny hybrid target and a noisy copy of it as draft, saved to tmp_path in the
+  MambaInLlama layout with a byte-level BPE tokenizer trained on a few lines, over 2 prompts from a
+  JSONL file: every method at T = 0 and 1, T = 0 outputs identical, result files tagged.
+* ``bench/model_verify.py --tiny --device cpu``: both model sections, checked outputs, result files.
+"""
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+pytest.importorskip("tokenizers")
+e2e = importlib.import_module("e2e")
+model_verify = importlib.import_module("model_verify")
+
+from models import data  # noqa: E402
+from stree.hybrid import MambaInLlamaConfig, MambaInLlamaForCausalLM  # noqa: E402
+from tests.test_generate_models import noisy_copy  # noqa: E402
+
+PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print("]
+LINES = PROMPTS + ["import os\nimport sys\n", "class Point:\n    def __init__(self, x, y):\n",
+                   "    return [x * 2 for x in items if x]\n"]
+META = ("device", "commit", "date")
+
+
+def write_model_dir(root: Path) -> Path:
+    """``root/models/{target,draft}``: a tiny hybrid and a noisy copy, tokenizer beside each."""
+    tok = data.train_tokenizer(LINES, vocab_size=300)
+    torch.manual_seed(3)
+    cfg = MambaInLlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, attn_layers=(1,), d_state=16,
+                             max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
+    target = MambaInLlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger than the init's weights: a peaked, tie-free target distribution
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    models = root / "models"
+    for name, model in (("target", target), ("draft", noisy_copy(target, 0.2, seed=4))):
+        model.save_pretrained(str(models / name))
+        data.save_tokenizer(tok, models / name)
+    return models
+
+
+def read_rows(out: Path, pattern: str) -> list[dict]:
+    (path,) = out.glob(pattern)
+    rows = json.loads(path.read_text())
+    assert rows and all(r[f] for r in rows for f in META)
+    assert (path.with_suffix(".csv")).exists()
+    return rows
+
+
+def test_e2e_smoke(tmp_path):
+    models = write_model_dir(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "results"
+    methods = ["ar", "chain:4", "tree:static:fig4a", "tree:beam:4x3"]
+    rc = e2e.main(["--models", str(models), "--prompts", str(prompts), "--limit", "2",
+                   "--max-new-tokens", "12", "--temperatures", "0", "1", "--methods", *methods,
+                   "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    summary = read_rows(out, "e2e_*[0-9].json")
+    assert [(r["method"], r["temperature"]) for r in summary] == [
+        (m, t) for t in (0.0, 1.0) for m in methods]
+    assert all(r["t0_identical"] for r in summary if r["temperature"] == 0)
+    assert all(r["prompts"] == 2 and r["steps"] > 0 and r["tau"] >= 1 for r in summary)
+    assert all(r["tau"] == 1 for r in summary if r["method"] == "ar")
+    per_prompt = read_rows(out, "e2e_*_per_prompt.json")
+    assert len(per_prompt) == 2 * len(methods) * 2
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(list(out.glob("e2e_*.png"))) == 1
+
+
+def test_first_mismatch_names_prompt_method_and_position():
+    assert e2e.first_mismatch({"ar": [[1, 2, 3]], "tree": [[1, 2, 3]]}) is None
+    msg = e2e.first_mismatch({"ar": [[1, 2], [4, 5, 6]], "tree": [[1, 2], [4, 7, 6]]})
+    assert "prompt 1" in msg and "'tree'" in msg and "new token 1" in msg
+
+
+def test_model_verify_tiny(tmp_path):
+    assert model_verify.main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    rows = read_rows(tmp_path, "model_verify_tiny_*[0-9].json")
+    checked = [r for r in rows if r["checked_against"]]
+    assert {r["method"] for r in checked} == {"tree", "decode_tree_1", "unrolled_chunked",
+                                              "unrolled_chain"}
+    assert all(r["rel_err"] <= 1e-3 and r["argmax_agree"] == 1.0 for r in checked)
+    targets = read_rows(tmp_path, "model_verify_tiny_*_targets.json")
+    assert {r["issue"] for r in targets} >= {"2", "3"}
