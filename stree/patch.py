@@ -87,8 +87,8 @@ class TreeDecodingMixin:
         if tree.batch_size != cache.batch_size:
             raise ValueError(f"tree batch {tree.batch_size} != cache batch {cache.batch_size}")
         vocab = _vocab_size(self)
-        if int(tree.tokens.max()) >= vocab:
-            raise ValueError(f"tree token {int(tree.tokens.max())} out of range for vocab size {vocab}")
+        if tree.max_token >= vocab:  # host-side: no device sync in the verify step
+            raise ValueError(f"tree token {tree.max_token} out of range for vocab size {vocab}")
         cache.check_room(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
         span = max(cache.seqlens) + tree.num_nodes

@@ -32,6 +32,7 @@ class TokenTree:
         mask: ``(b, n, n)`` bool, ``mask[b, i, j]`` iff node j is on the root-to-i path (i included).
         paths: ``(b, n, max_depth + 1)`` int64, root-to-node node indices, -1 padded at the end.
         max_depth: int, deepest node's depth over the batch.
+        max_token: int, largest token id (host-side).
     """
 
     def __init__(self, tokens, parents, *, vocab_size: int | None = None,
@@ -58,7 +59,7 @@ class TokenTree:
                 f"got {tuple(parents.shape)}")
         parents = parents.expand(b, n).contiguous()
         _validate_parents(parents)
-        _validate_tokens(tokens, vocab_size)
+        self.max_token = _validate_tokens(tokens, vocab_size)
 
         self.tokens = tokens.contiguous()
         depth, paths = _depth_and_paths(parents)
@@ -77,9 +78,9 @@ class TokenTree:
         if tuple(tokens.shape) != tuple(self.tokens.shape):
             raise ValueError(f"tokens of shape {tuple(tokens.shape)} for a tree template of shape "
                              f"{tuple(self.tokens.shape)}")
-        _validate_tokens(tokens, None)
         other = object.__new__(TokenTree)
         other.__dict__.update(self.__dict__)
+        other.max_token = _validate_tokens(tokens, None)
         other.tokens = tokens.to(self.device).contiguous()
         return other
 
@@ -187,12 +188,15 @@ def _as_long_tensor(value, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a rectangular list of ints ({err})") from None
 
 
-def _validate_tokens(tokens: torch.Tensor, vocab_size: int | None) -> None:
+def _validate_tokens(tokens: torch.Tensor, vocab_size: int | None) -> int:
+    """Check the token range; returns the largest token id (kept so that models can check it
+    against their vocabulary without another device sync)."""
     lo, hi = (int(v) for v in torch.aminmax(tokens))  # one device sync for both bounds
     if lo < 0:
         raise ValueError("tokens must be non-negative")
     if vocab_size is not None and hi >= vocab_size:
         raise ValueError(f"token id {hi} out of range for vocab_size {vocab_size}")
+    return hi
 
 
 def _validate_parents(parents: torch.Tensor) -> None:
