@@ -3,8 +3,6 @@
 The oracle convolves the sequence [committed conv_state columns, root-to-node path tokens] one
 output at a time, and builds the window table from parent lists itself (no stree code).
 """
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,36 +10,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stree.kernels import conv_replay, tree_conv, tree_conv_ref
+from tests.kernel_helpers import assert_close as _assert_close
+from tests.kernel_helpers import chain, full_binary, nan_filled_empty, path_to, random_tree, star
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def chain(n):
-    return [-1] + list(range(n - 1))
-
-
-def random_tree(n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+def assert_close(actual, expected, dtype, what):
+    _assert_close(actual, expected, TOL[dtype], what)
 
 
 TREES = {
     "one_node": [-1],
     "chain3_below_width": chain(3),
-    "star6": [-1] + [0] * 5,
+    "star6": star(6),
     "deep_chain12": chain(12),
     "shallow_depth1": [-1, 0, 0],
-    "binary63": [-1] + [(i - 1) // 2 for i in range(1, 63)],
+    "binary63": full_binary(63),
     "random100_multiblock": random_tree(100, seed=5),
 }
-
-
-def path_to(parents, t):
-    path = []
-    while t >= 0:
-        path.append(t)
-        t = parents[t]
-    return path[::-1]
 
 
 def conv_window(rows, w):
@@ -86,28 +73,6 @@ def oracle_conv(rows, xbc, conv_state, weight, bias, activation, window=None):
                 acc = acc + bias.double()
             out[bi, i] = F.silu(acc) if activation else acc
     return out
-
-
-def assert_close(actual, expected, dtype, what):
-    atol, rtol = TOL[dtype]
-    actual, expected = actual.double(), expected.double()
-    err = (actual - expected).abs()
-    assert not torch.isnan(actual).any(), f"{what}: NaN in output (unwritten slot?)"
-    bad = err > atol + rtol * expected.abs()
-    assert not bad.any(), (f"{what}: max abs error {err.max().item():.3e}, "
-                           f"{int(bad.sum())} elements beyond atol={atol}, rtol={rtol}")
-
-
-@contextlib.contextmanager
-def nan_filled_empty():
-    """torch.empty fills floats with NaN in deterministic mode, so a slot a kernel skips fails."""
-    assert torch.utils.deterministic.fill_uninitialized_memory
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def batch_of(parents):

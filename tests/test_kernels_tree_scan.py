@@ -3,7 +3,6 @@
 The oracle runs the Mamba2 recurrence ``h = exp(dt A) h + dt x (x) B; y = C . h + D x`` token by
 token along every root-to-node path, in float64, from raw dt. It shares no code with stree.
 """
-import contextlib
 import importlib
 import math
 
@@ -14,30 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stree.kernels import ssm_replay, ssm_replay_ref, tree_scan, tree_scan_ref
+from tests.kernel_helpers import assert_close as _assert_close
+from tests.kernel_helpers import chain, full_binary, nan_filled_empty, path_to, random_tree, star
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
 NO_LIMIT = (0.0, math.inf)
 
 
-# ---- trees (parent lists, topologically packed) -------------------------------------------
-
-def chain(n):
-    return [-1] + list(range(n - 1))
+def assert_close(actual, expected, dtype, what):
+    _assert_close(actual, expected, TOL[dtype], what)
 
 
-def star(n):
-    return [-1] + [0] * (n - 1)
-
-
-def full_binary(n):
-    return [-1] + [(i - 1) // 2 for i in range(1, n)]
-
-
-def random_tree(n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-
-
+# trees as parent lists, topologically packed
 TREES = {
     "one_node": [-1],
     "chain5": chain(5),
@@ -48,14 +35,6 @@ TREES = {
     "chain130_multiblock": chain(130),
     "random150_multiblock": random_tree(150, seed=3),
 }
-
-
-def path_to(parents, t):
-    path = []
-    while t >= 0:
-        path.append(t)
-        t = parents[t]
-    return path[::-1]
 
 
 def ancestor_mask(rows):
@@ -136,29 +115,6 @@ def oracle_tree_ssm(rows, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_so
             if z is not None:
                 y[bi, t] *= F.silu(z[bi, t].double())
     return y, states
-
-
-def assert_close(actual, expected, dtype, what):
-    atol, rtol = TOL[dtype]
-    actual, expected = actual.double(), expected.double()
-    err = (actual - expected).abs()
-    bad = err > atol + rtol * expected.abs()
-    assert not torch.isnan(actual).any(), f"{what}: NaN in output (unwritten slot?)"
-    assert not bad.any(), (f"{what}: max abs error {err.max().item():.3e} at "
-                           f"{tuple(int(i) for i in (err == err.max()).nonzero()[0])}, "
-                           f"{int(bad.sum())} elements beyond atol={atol}, rtol={rtol}")
-
-
-@contextlib.contextmanager
-def nan_filled_empty():
-    """torch.empty fills floats with NaN in deterministic mode, so a slot a kernel skips fails."""
-    assert torch.utils.deterministic.fill_uninitialized_memory
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def run_triton(args, kw):

@@ -1,0 +1,54 @@
+"""Shared by the kernel tests: tree shapes as parent lists, the path walk, and the comparison."""
+import contextlib
+
+import torch
+
+
+def chain(n):
+    return [-1] + list(range(n - 1))
+
+
+def star(n):
+    return [-1] + [0] * (n - 1)
+
+
+def full_binary(n):
+    return [-1] + [(i - 1) // 2 for i in range(1, n)]
+
+
+def random_tree(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def path_to(parents, t):
+    """Root-to-``t`` node indices, by walking parent pointers (independent of stree.tree)."""
+    path = []
+    while t >= 0:
+        path.append(t)
+        t = parents[t]
+    return path[::-1]
+
+
+def assert_close(actual, expected, tol, what):
+    """``tol = (atol, rtol)``; fails on NaN (an unwritten output slot) and prints the max error."""
+    atol, rtol = tol
+    actual, expected = actual.double(), expected.double()
+    err = (actual - expected).abs()
+    bad = err > atol + rtol * expected.abs()
+    assert not torch.isnan(actual).any(), f"{what}: NaN in output (unwritten slot?)"
+    assert not bad.any(), (f"{what}: max abs error {err.max().item():.3e} at "
+                           f"{tuple(int(i) for i in (err == err.max()).nonzero()[0])}, "
+                           f"{int(bad.sum())} elements beyond atol={atol}, rtol={rtol}")
+
+
+@contextlib.contextmanager
+def nan_filled_empty():
+    """torch.empty fills floats with NaN in deterministic mode, so a slot a kernel skips fails."""
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
