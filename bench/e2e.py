@@ -29,7 +29,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +40,8 @@ for _p in (str(_HERE.parent), str(_HERE)):  # run as a script from anywhere: str
         sys.path.insert(0, _p)
 
 from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
+
+from stree.stats import GenerationStats  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_METHODS = ("ar", "chain:4", "tree:static:fig4a", "tree:beam:4x3")
@@ -80,41 +82,6 @@ class BenchConfig:
     dtype: str
     seed: int
     out: Path
-
-
-@dataclass
-class Totals:
-    """One (method, temperature)'s statistics summed over prompts."""
-
-    prompts: int = 0
-    new_tokens: int = 0
-    steps: int = 0
-    target_calls: int = 0
-    draft_calls: int = 0
-    accept_hist: dict[int, int] = field(default_factory=dict)
-    total_s: float = 0.0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    replay_s: float = 0.0
-
-    def add(self, stats) -> None:
-        self.prompts += 1
-        for name in ("new_tokens", "steps", "target_calls", "draft_calls", "total_s", "prefill_s",
-                     "draft_s", "verify_s", "replay_s"):
-            setattr(self, name, getattr(self, name) + getattr(stats, name))
-        for k, c in stats.accept_hist.items():
-            self.accept_hist[k] = self.accept_hist.get(k, 0) + c
-
-    @property
-    def tau(self) -> float:
-        """Tokens per step over all prompts (the merged histogram's mean)."""
-        return (sum(k * c for k, c in self.accept_hist.items()) / self.steps if self.steps
-                else float("nan"))
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
 
 
 # ---- setup -------------------------------------------------------------------------------
@@ -212,19 +179,19 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
     summary, per_prompt = [], []
     for temperature in cfg.temperatures:
         tokens: dict[str, list[list[int]]] = {}
-        totals: dict[str, Totals] = {}
+        totals: dict[str, GenerationStats] = {}
         for method in cfg.methods:
             # warm up once: lazy initialisation, Triton compilation, allocator growth
             run_one(target, draft, prompts[0], method, temperature, eos, cfg.seed,
                     min(WARMUP_TOKENS, cfg.max_new_tokens))
-            totals[method.label] = tot = Totals()
+            totals[method.label] = tot = GenerationStats(method.label)
             tokens[method.label] = []
             for i, ids in enumerate(prompts):
                 out = run_one(target, draft, ids, method, temperature, eos, cfg.seed + i,
                               cfg.max_new_tokens)
                 new = out.sequences[0, len(ids):out.lengths[0]].tolist()
                 tokens[method.label].append(new)
-                tot.add(out.stats)
+                tot.merge(out.stats)
                 per_prompt.append(prompt_row(meta, method, temperature, i, len(ids), out.stats))
             print(f"  T={temperature:g} {method.label:<22} tau {tot.tau:5.2f}  "
                   f"{tot.tokens_per_s:8.1f} tok/s", flush=True)
@@ -245,13 +212,13 @@ def prompt_row(meta, method: Method, temperature, index, prompt_tokens, stats) -
                 accept_hist={str(k): v for k, v in sorted(stats.accept_hist.items())})
 
 
-def summary_rows(meta, cfg: BenchConfig, temperature, totals: dict[str, Totals]) -> list[dict]:
+def summary_rows(meta, cfg: BenchConfig, temperature, totals: dict[str, GenerationStats]) -> list[dict]:
     ar = totals.get("ar")
     rows = []
     for method in cfg.methods:
         t = totals[method.label]
         rows.append(dict(
-            meta, method=method.label, temperature=temperature, prompts=t.prompts,
+            meta, method=method.label, temperature=temperature, prompts=meta["n_prompts"],
             new_tokens=t.new_tokens, steps=t.steps, target_calls=t.target_calls,
             draft_calls=t.draft_calls, tau=t.tau, tokens_per_s=t.tokens_per_s,
             speedup_vs_ar=t.tokens_per_s / ar.tokens_per_s if ar else None,

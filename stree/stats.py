@@ -47,6 +47,14 @@ class GenerationStats:
     replay_s: float = 0.0
     total_s: float = 0.0
 
+    def merge(self, other: "GenerationStats") -> None:
+        """Add another call's counts and times to these (aggregating a benchmark's prompts)."""
+        for name in ("new_tokens", "target_calls", "draft_calls", "steps", "prefill_s", "draft_s",
+                     "verify_s", "replay_s", "total_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, c in other.accept_hist.items():
+            self.accept_hist[k] = self.accept_hist.get(k, 0) + c
+
     def record_step(self, emitted: int) -> None:
         """One row emitted ``emitted`` tokens in one target call."""
         self.steps += 1
