@@ -21,6 +21,17 @@ def random_tree(n, seed):
     return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
 
 
+def common_trees():
+    """The tree shapes both kernel suites test; each adds its own edge cases."""
+    return {
+        "one_node": [-1],
+        "star6": star(6),
+        "deep_chain12": chain(12),
+        "shallow_depth1": [-1, 0, 0],
+        "binary63": full_binary(63),
+    }
+
+
 def path_to(parents, t):
     """Root-to-``t`` node indices, by walking parent pointers (independent of stree.tree)."""
     path = []

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from stree.kernels import conv_replay, tree_conv, tree_conv_ref
 from tests.kernel_helpers import assert_close as _assert_close
-from tests.kernel_helpers import chain, full_binary, nan_filled_empty, path_to, random_tree, star
+from tests.kernel_helpers import chain, common_trees, nan_filled_empty, path_to, random_tree
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -21,12 +21,8 @@ def assert_close(actual, expected, dtype, what):
 
 
 TREES = {
-    "one_node": [-1],
+    **common_trees(),
     "chain3_below_width": chain(3),
-    "star6": star(6),
-    "deep_chain12": chain(12),
-    "shallow_depth1": [-1, 0, 0],
-    "binary63": full_binary(63),
     "random100_multiblock": random_tree(100, seed=5),
 }
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from stree.kernels import ssm_replay, ssm_replay_ref, tree_scan, tree_scan_ref
 from tests.kernel_helpers import assert_close as _assert_close
-from tests.kernel_helpers import chain, full_binary, nan_filled_empty, path_to, random_tree, star
+from tests.kernel_helpers import (chain, common_trees, full_binary, nan_filled_empty, path_to,
+                                  random_tree)
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
 NO_LIMIT = (0.0, math.inf)
@@ -26,12 +27,8 @@ def assert_close(actual, expected, dtype, what):
 
 # trees as parent lists, topologically packed
 TREES = {
-    "one_node": [-1],
+    **common_trees(),
     "chain5": chain(5),
-    "star6": star(6),
-    "deep_chain12": chain(12),
-    "shallow_depth1": [-1, 0, 0],
-    "binary63": full_binary(63),
     "chain130_multiblock": chain(130),
     "random150_multiblock": random_tree(150, seed=3),
 }
