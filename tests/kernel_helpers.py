@@ -41,6 +41,15 @@ def path_to(parents, t):
     return path[::-1]
 
 
+def padded_paths(rows, ends, k):
+    """(b, k) int64 root-to-``ends[b]`` paths of each row's parent list, -1 padded."""
+    out = torch.full((len(rows), k), -1, dtype=torch.int64)
+    for b, (parents, end) in enumerate(zip(rows, ends)):
+        path = path_to(parents, end)
+        out[b, :len(path)] = torch.tensor(path)
+    return out
+
+
 def assert_close(actual, expected, tol, what):
     """``tol = (atol, rtol)``; fails on NaN (an unwritten output slot) and prints the max error."""
     atol, rtol = tol

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from stree.kernels import conv_replay, tree_conv, tree_conv_ref
 from tests.kernel_helpers import assert_close as _assert_close
-from tests.kernel_helpers import chain, common_trees, nan_filled_empty, path_to, random_tree
+from tests.kernel_helpers import (chain, common_trees, nan_filled_empty, padded_paths, path_to,
+                                  random_tree)
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -179,14 +180,6 @@ def oracle_conv_replay(conv_state, xbc, path):
     return out
 
 
-def _paths(rows, ends, k):
-    out = torch.full((len(rows), k), -1, dtype=torch.int64)
-    for b, (parents, end) in enumerate(zip(rows, ends)):
-        path = path_to(parents, end)
-        out[b, :len(path)] = torch.tensor(path)
-    return out
-
-
 @pytest.mark.parametrize("w", [1, 2, 4])
 @pytest.mark.parametrize("tree", ["one_node", "deep_chain12", "binary63"])
 def test_conv_replay_every_path_length(tree, w):
@@ -198,7 +191,7 @@ def test_conv_replay_every_path_length(tree, w):
     k = max(len(path_to(parents, t)) for parents in rows for t in range(n)) + 1  # + a -1 column
     # Path lengths 1 .. depth+1 on row 0; row 1 ends elsewhere, so lengths differ within the batch.
     for end in path_to(rows[0], deepest):
-        path = _paths(rows, [end, n - 1 - end], k)
+        path = padded_paths(rows, [end, n - 1 - end], k)
         state = args["conv_state"].clone()
         conv_replay(state, args["xbc"], path)
         assert_close(state, oracle_conv_replay(args["conv_state"], args["xbc"], path),
@@ -221,7 +214,7 @@ def test_conv_replay_then_conv_continues_the_sequence():
     rows = [chain(6)]
     args = make_inputs(rows)
     state = args["conv_state"].clone()
-    conv_replay(state, args["xbc"], _paths(rows, [4], 6))
+    conv_replay(state, args["xbc"], padded_paths(rows, [4], 6))
     one = dict(args, xbc=args["xbc"][:, 5:6], conv_state=state, window=conv_window([[-1]], 4))
     expected = oracle_conv(rows, **args, activation="silu")[:, 5:6]
     assert_close(tree_conv(**one, impl="triton"), expected, torch.float32, "continued conv")

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from stree.kernels import ssm_replay, ssm_replay_ref, tree_scan, tree_scan_ref
 from tests.kernel_helpers import assert_close as _assert_close
-from tests.kernel_helpers import (chain, common_trees, full_binary, nan_filled_empty, path_to,
-                                  random_tree)
+from tests.kernel_helpers import (chain, common_trees, full_binary, nan_filled_empty, padded_paths,
+                                  path_to, random_tree)
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
 NO_LIMIT = (0.0, math.inf)
@@ -294,15 +294,6 @@ def _replay_case(parents, seed, **sizes):
     return rows, args, kw, dt_out, states
 
 
-def _paths(rows, ends, k):
-    """(b, k) int64 root-to-end paths, -1 padded."""
-    out = torch.full((len(rows), k), -1, dtype=torch.int64)
-    for b, (parents, end) in enumerate(zip(rows, ends)):
-        path = path_to(parents, end)
-        out[b, :len(path)] = torch.tensor(path)
-    return out
-
-
 REPLAY_TREES = {"one_node": [-1], "chain6": chain(6), "binary31": full_binary(31),
                 "random40": random_tree(40, seed=7)}
 
@@ -320,7 +311,7 @@ def test_ssm_replay_every_path_length(tree, impl):
     deepest = max(range(n), key=lambda t: depth[t])
     for end in path_to(parents, deepest):
         other = n - 1 - end
-        path = _paths(rows, [end, other], k)
+        path = padded_paths(rows, [end, other], k)
         state = kw["initial_states"].clone()
         replay = ssm_replay if impl == "triton" else ssm_replay_ref
         kwargs = dict(impl="triton") if impl == "triton" else {}
@@ -333,7 +324,7 @@ def test_ssm_replay_every_path_length(tree, impl):
 def test_ssm_replay_fp16_state_is_cast_back():
     rows, args, kw, dt_out, states = _replay_case(chain(4), seed=2)
     state = kw["initial_states"].to(torch.float16)
-    ssm_replay(state, args["x"], dt_out, args["A"], args["B"], _paths(rows, [3, 2], 4),
+    ssm_replay(state, args["x"], dt_out, args["A"], args["B"], padded_paths(rows, [3, 2], 4),
                impl="triton")
     assert state.dtype == torch.float16
     assert_close(state[0], states[0, 3], torch.float16, "fp16 state")
