@@ -13,6 +13,7 @@ from stree._mamba import mamba_ssm  # noqa: F401
 from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_norm_fn, RMSNorm
 
+from stree import hf
 from stree.cache import PendingTree, TreeCache
 from stree.layers import attention, mamba2
 from stree.tree import TokenTree
@@ -139,15 +140,20 @@ def _stree_mixers(model):
         return [(i, blk.mixer) for i, blk in enumerate(model.backbone.layers)]
     if hasattr(model, "stree_mixers"):
         return list(model.stree_mixers())
-    raise TypeError(f"stree.patch supports mamba_ssm MambaLMHeadModel and stree.hybrid models, "
-                    f"not {type(model).__name__}")
+    family = hf.family(model)  # transformers' Mamba2 family; raises for classes not supported yet
+    if family is not None:
+        return family.stree_mixers()
+    raise TypeError(f"stree.patch supports mamba_ssm MambaLMHeadModel, stree.hybrid models and "
+                    f"transformers' {', '.join(hf.SUPPORTED)}, not {type(model).__name__}")
 
 
 def _stree_walk(model, input_ids, run_mixer):
     """Run the model's layers with each sequence mixer replaced by ``run_mixer(idx, mixer, h)``."""
     if isinstance(model, MambaLMHeadModel):
         return _walk_mamba_lm(model, input_ids, run_mixer)
-    return model.stree_walk(input_ids, run_mixer)
+    if hasattr(model, "stree_walk"):
+        return model.stree_walk(input_ids, run_mixer)
+    return hf.family(model).stree_walk(input_ids, run_mixer)
 
 
 def _walk_mamba_lm(model, input_ids, run_mixer):

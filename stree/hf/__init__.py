@@ -1,0 +1,100 @@
+"""Hugging Face transformers' Mamba2 family for ``stree.patch``: one small module per family.
+
+``family(model)`` gives the :class:`~stree.hf.common.Family` adapter of a supported transformers
+model (built once, kept on the model), ``None`` for a model that is not a transformers model of
+this family, and raises ``TypeError`` for a class of the family that is not supported yet.
+``load(directory)`` loads a ``save_pretrained`` directory through transformers' own
+``from_pretrained`` (local files only).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+from stree.hf import kernels
+
+kernels.install()
+
+# class name -> (module, adapter class)
+SUPPORTED = {
+    "Mamba2ForCausalLM": ("stree.hf.mamba2", "Mamba2Family"),
+    "BambaForCausalLM": ("stree.hf.bamba", "BambaFamily"),
+}
+# Mamba2-family classes stree knows of but does not handle yet: refused by name.
+NOT_YET = ("GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
+           "Zamba2ForCausalLM")
+
+_ATTR = "_stree_family"
+
+
+def _transformers_class(model) -> str | None:
+    """Name of the first transformers class in the model's MRO (``stree.patch`` subclasses it)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return None
+
+
+def family(model):
+    """The family adapter of ``model``, or ``None`` if it is no transformers Mamba2-family model."""
+    cached = model.__dict__.get(_ATTR)
+    if cached is not None:
+        return cached
+    name = _transformers_class(model)
+    if name is None:
+        return None
+    if name in NOT_YET:
+        raise TypeError(f"stree.patch: {name} is not supported yet (supported transformers classes: "
+                        f"{', '.join(SUPPORTED)})")
+    if name not in SUPPORTED:
+        return None
+    kernels.use_torch_paths_on_cpu(importlib.import_module(_module_of(model)))
+    mod, cls = SUPPORTED[name]
+    fam = getattr(importlib.import_module(mod), cls)(model)
+    model.__dict__[_ATTR] = fam
+    return fam
+
+
+def _module_of(model) -> str:
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__module__
+    raise TypeError(type(model).__name__)
+
+
+def is_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a transformers checkpoint of a Mamba2-family class."""
+    cfg = _read_config(directory)
+    return cfg is not None and any(a in SUPPORTED or a in NOT_YET for a in cfg.get("architectures") or ())
+
+
+def load(directory: str, dtype=None, device="cpu"):
+    """A transformers model from a local ``save_pretrained`` directory (never downloads), in eval
+    mode and not patched. Raises ``ValueError`` for a directory of another kind."""
+    cfg = _read_config(directory)
+    archs = (cfg or {}).get("architectures") or []
+    if not any(a in SUPPORTED or a in NOT_YET for a in archs):
+        raise ValueError(f"{directory}: config.json names no transformers Mamba2-family class "
+                         f"(architectures={archs}); supported: {', '.join(SUPPORTED)}")
+    import transformers
+
+    cls = getattr(transformers, archs[0])
+    model = cls.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(directory: str):
+    """The checkpoint's tokenizer via ``AutoTokenizer`` (local files only), as a ``tokenizers``
+    ``Tokenizer`` (the interface the CLI uses)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True).backend_tokenizer
+
+
+def _read_config(directory: str) -> dict | None:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

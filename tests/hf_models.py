@@ -1,0 +1,87 @@
+"""Small random transformers Mamba2-family models (saved and reloaded through save_pretrained /
+from_pretrained) and the oracle: the unmodified model decoding one token at a time with its own
+cache class and explicit ``position_ids``. Nothing in the oracle calls stree."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import stree  # noqa: F401  (imported first on purpose: transformers must still take its torch paths)
+
+VOCAB = 61
+
+
+def _mamba2(seed, layers=2):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+    return Mamba2ForCausalLM(Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_heads=8, head_dim=16, expand=2,
+        state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False))
+
+
+def _bamba(seed, layers=4):
+    from transformers import BambaConfig, BambaForCausalLM
+    return BambaForCausalLM(BambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3][: layers // 2],
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_expand=2,
+        mamba_chunk_size=8, max_position_embeddings=512, rope_parameters={"rope_type": "default",
+        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))
+
+
+BUILDERS = {"mamba2": _mamba2, "bamba": _bamba}
+
+
+def build(family: str, tmp_path, seed: int = 0, **kw):
+    """A random model of ``family``, saved with save_pretrained and loaded back with from_pretrained
+    (fp32, eval). Weights are scaled up from the init so every path matters."""
+    torch.manual_seed(seed)
+    model = BUILDERS[family](seed, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+            elif name.endswith("D") or name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0)
+    directory = tmp_path / f"{family}-{seed}"
+    model.save_pretrained(directory)
+    return type(model).from_pretrained(directory, dtype=torch.float32).eval(), directory
+
+
+class StepOracle:
+    """The model's own cached decoding, one token per call, positions passed explicitly; forkable."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+        self.length = 0
+        self.mamba_only = type(model).__name__ == "Mamba2ForCausalLM"
+
+    def fork(self):
+        other = copy.copy(self)
+        other.cache = copy.deepcopy(self.cache)
+        return other
+
+    @torch.no_grad()
+    def feed(self, tokens):
+        out = []
+        for t in tokens:
+            ids = torch.tensor([[int(t)]])
+            if self.mamba_only:  # Mamba2ForCausalLM names its cache cache_params and has no positions
+                res = self.model(input_ids=ids, cache_params=self.cache, use_cache=True)
+                self.cache = res.cache_params
+            else:
+                res = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                                 position_ids=torch.tensor([[self.length]]))
+                self.cache = res.past_key_values
+            self.length += 1
+            out.append(res.logits[0, -1].float())
+        return torch.stack(out)
+
+    def node_logits(self, tree, row=0):
+        out = []
+        for i in range(tree.num_nodes):
+            path = [int(j) for j in tree.paths[row, i] if j >= 0]
+            out.append(self.fork().feed([int(tree.tokens[row, j]) for j in path])[-1])
+        return torch.stack(out)
