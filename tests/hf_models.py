@@ -30,7 +30,31 @@ def _bamba(seed, layers=4):
         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))
 
 
-BUILDERS = {"mamba2": _mamba2, "bamba": _bamba}
+def _granite(seed, layers=4, rope=True, experts=4):
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    types = ["mamba", "attention", "mamba", "attention"][:layers]
+    return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, shared_intermediate_size=64,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, layer_types=types,
+        num_local_experts=experts, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, mamba_chunk_size=8,
+        position_embedding_type="rope" if rope else None, max_position_embeddings=512,
+        embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.0,
+        pad_token_id=0))
+
+
+def _nemotron_h(seed, pattern="M*M-ME"):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    return NemotronHForCausalLM(NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, max_position_embeddings=512, pad_token_id=0))
+
+
+BUILDERS = {"mamba2": _mamba2, "bamba": _bamba, "granite": _granite, "nemotron_h": _nemotron_h}
 
 
 def build(family: str, tmp_path, seed: int = 0, **kw):
@@ -40,7 +64,7 @@ def build(family: str, tmp_path, seed: int = 0, **kw):
     model = BUILDERS[family](seed, **kw)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, 0.1)
             elif name.endswith("D") or name.endswith("dt_bias"):
                 p.uniform_(-1.0, 1.0)

@@ -20,9 +20,11 @@ kernels.install()
 SUPPORTED = {
     "Mamba2ForCausalLM": ("stree.hf.mamba2", "Mamba2Family"),
     "BambaForCausalLM": ("stree.hf.bamba", "BambaFamily"),
+    "GraniteMoeHybridForCausalLM": ("stree.hf.granitemoehybrid", "GraniteMoeHybridFamily"),
+    "NemotronHForCausalLM": ("stree.hf.nemotron_h", "NemotronHFamily"),
 }
 # Mamba2-family classes stree knows of but does not handle yet: refused by name.
-NOT_YET = ("GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
+NOT_YET = ("FalconH1ForCausalLM",
            "Zamba2ForCausalLM")
 
 _ATTR = "_stree_family"
