@@ -54,7 +54,20 @@ def _nemotron_h(seed, pattern="M*M-ME"):
         moe_shared_expert_intermediate_size=32, max_position_embeddings=512, pad_token_id=0))
 
 
-BUILDERS = {"mamba2": _mamba2, "bamba": _bamba, "granite": _granite, "nemotron_h": _nemotron_h}
+def _falcon_h1(seed, layers=2, rms_norm=True):
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+    return FalconH1ForCausalLM(FalconH1Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_ssm=128, mamba_chunk_size=8, mamba_rms_norm=rms_norm,
+        mamba_norm_before_gate=False, max_position_embeddings=512, pad_token_id=0,
+        embedding_multiplier=1.3, lm_head_multiplier=0.8, key_multiplier=0.9, attention_in_multiplier=1.1,
+        attention_out_multiplier=0.9, ssm_in_multiplier=1.2, ssm_out_multiplier=0.8,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], mlp_multipliers=[1.1, 0.9]))
+
+
+BUILDERS = {"mamba2": _mamba2, "bamba": _bamba, "granite": _granite, "nemotron_h": _nemotron_h,
+            "falcon_h1": _falcon_h1}
 
 
 def build(family: str, tmp_path, seed: int = 0, **kw):

@@ -22,10 +22,10 @@ SUPPORTED = {
     "BambaForCausalLM": ("stree.hf.bamba", "BambaFamily"),
     "GraniteMoeHybridForCausalLM": ("stree.hf.granitemoehybrid", "GraniteMoeHybridFamily"),
     "NemotronHForCausalLM": ("stree.hf.nemotron_h", "NemotronHFamily"),
+    "FalconH1ForCausalLM": ("stree.hf.falcon_h1", "FalconH1Family"),
 }
 # Mamba2-family classes stree knows of but does not handle yet: refused by name.
-NOT_YET = ("FalconH1ForCausalLM",
-           "Zamba2ForCausalLM")
+NOT_YET = ("Zamba2ForCausalLM",)
 
 _ATTR = "_stree_family"
 
