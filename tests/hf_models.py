@@ -66,7 +66,17 @@ def _falcon_h1(seed, layers=2, rms_norm=True):
         ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], mlp_multipliers=[1.1, 0.9]))
 
 
-BUILDERS = {"mamba2": _mamba2, "bamba": _bamba, "granite": _granite, "nemotron_h": _nemotron_h,
+def _zamba2(seed, layers=6):
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+    return Zamba2ForCausalLM(Zamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=8, mamba_headdim=16, mamba_ngroups=2,
+        mamba_d_state=16, mamba_expand=2, chunk_size=8, num_mem_blocks=2, use_shared_attention_adapter=True,
+        adapter_rank=8, use_mem_rope=True, layers_block_type=["mamba", "hybrid"] * (layers // 2),
+        max_position_embeddings=512, pad_token_id=0))
+
+
+BUILDERS = {"zamba2": _zamba2, "mamba2": _mamba2, "bamba": _bamba, "granite": _granite, "nemotron_h": _nemotron_h,
             "falcon_h1": _falcon_h1}
 
 

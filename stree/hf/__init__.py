@@ -23,9 +23,10 @@ SUPPORTED = {
     "GraniteMoeHybridForCausalLM": ("stree.hf.granitemoehybrid", "GraniteMoeHybridFamily"),
     "NemotronHForCausalLM": ("stree.hf.nemotron_h", "NemotronHFamily"),
     "FalconH1ForCausalLM": ("stree.hf.falcon_h1", "FalconH1Family"),
+    "Zamba2ForCausalLM": ("stree.hf.zamba2", "Zamba2Family"),
 }
 # Mamba2-family classes stree knows of but does not handle yet: refused by name.
-NOT_YET = ("Zamba2ForCausalLM",)
+NOT_YET = ()
 
 _ATTR = "_stree_family"
 
