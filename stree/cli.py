@@ -3,6 +3,8 @@
 Streams the new text as tokens are accepted (stdout), shows a progress bar (stderr; tqdm if
 installed), then prints the statistics (stderr). Models load from local directories only:
 
+* a ``config.json`` naming a transformers Mamba2-family class (``architectures``): loaded with
+  transformers' own ``from_pretrained`` (``stree.hf``), its tokenizer with ``AutoTokenizer``;
 * a directory with ``mamba_config.json``: a MambaInLlama hybrid (``stree.hybrid``);
 * otherwise mamba_ssm's ``MambaLMHeadModel`` layout: ``config.json`` + ``pytorch_model.bin``
   (or ``model.safetensors``), built and loaded the way mamba_ssm's ``from_pretrained`` does,
@@ -53,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default bfloat16 on CUDA, float32 on CPU")
-    g.add_argument("--model-type", choices=["auto", "hybrid", "mamba"], default="auto",
-                   help="checkpoint layout (auto: hybrid iff mamba_config.json exists)")
+    g.add_argument("--model-type", choices=["auto", "transformers", "hybrid", "mamba"], default="auto",
+                   help="checkpoint layout (auto: transformers if config.json names a supported class, "
+                        "hybrid if mamba_config.json exists, else mamba)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     from stree import demo
 
@@ -113,6 +116,10 @@ def load_model(directory: str, device, dtype, model_type: str = "auto"):
 
     if not os.path.isdir(directory):
         raise SystemExit(f"model directory not found: {directory}")
+    from stree import hf
+
+    if model_type == "transformers" or (model_type == "auto" and hf.is_checkpoint(directory)):
+        return stree.patch(hf.load(directory, dtype=dtype, device=device))
     hybrid = os.path.exists(os.path.join(directory, "mamba_config.json"))
     if model_type == "hybrid" and not hybrid:
         raise SystemExit(f"{directory} has no mamba_config.json: not a MambaInLlama hybrid checkpoint")
@@ -150,8 +157,14 @@ def _load_mamba_lm(directory: str, device, dtype):
 
 
 def load_tokenizer(path: str):
-    """``tokenizers.Tokenizer`` from a tokenizer.json file or a directory holding one."""
+    """``tokenizers.Tokenizer`` from a tokenizer.json file or a directory holding one (a transformers
+    checkpoint directory: through ``AutoTokenizer``)."""
     from tokenizers import Tokenizer
+
+    from stree import hf
+
+    if os.path.isdir(path) and hf.is_checkpoint(path):
+        return hf.load_tokenizer(path)
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.exists(file):

@@ -12,29 +12,29 @@ import stree  # noqa: F401  (imported first on purpose: transformers must still 
 VOCAB = 61
 
 
-def _mamba2(seed, layers=2):
+def _mamba2(vocab, layers=2):
     from transformers import Mamba2Config, Mamba2ForCausalLM
     return Mamba2ForCausalLM(Mamba2Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_heads=8, head_dim=16, expand=2,
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_heads=8, head_dim=16, expand=2,
         state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False))
 
 
-def _bamba(seed, layers=4):
+def _bamba(vocab, layers=4):
     from transformers import BambaConfig, BambaForCausalLM
     return BambaForCausalLM(BambaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3][: layers // 2],
         mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_expand=2,
         mamba_chunk_size=8, max_position_embeddings=512, rope_parameters={"rope_type": "default",
         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))
 
 
-def _granite(seed, layers=4, rope=True, experts=4):
+def _granite(vocab, layers=4, rope=True, experts=4):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
     types = ["mamba", "attention", "mamba", "attention"][:layers]
     return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, shared_intermediate_size=64,
+        vocab_size=vocab, hidden_size=64, intermediate_size=48, shared_intermediate_size=64,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, layer_types=types,
         num_local_experts=experts, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
         mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, mamba_chunk_size=8,
@@ -43,21 +43,21 @@ def _granite(seed, layers=4, rope=True, experts=4):
         pad_token_id=0))
 
 
-def _nemotron_h(seed, pattern="M*M-ME"):
+def _nemotron_h(vocab, pattern="M*M-ME"):
     from transformers import NemotronHConfig, NemotronHForCausalLM
     kinds = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
     return NemotronHForCausalLM(NemotronHConfig(
-        vocab_size=VOCAB, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
+        vocab_size=vocab, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32, max_position_embeddings=512, pad_token_id=0))
 
 
-def _falcon_h1(seed, layers=2, rms_norm=True):
+def _falcon_h1(vocab, layers=2, rms_norm=True):
     from transformers import FalconH1Config, FalconH1ForCausalLM
     return FalconH1ForCausalLM(FalconH1Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
         mamba_d_state=16, mamba_d_ssm=128, mamba_chunk_size=8, mamba_rms_norm=rms_norm,
         mamba_norm_before_gate=False, max_position_embeddings=512, pad_token_id=0,
@@ -66,10 +66,10 @@ def _falcon_h1(seed, layers=2, rms_norm=True):
         ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], mlp_multipliers=[1.1, 0.9]))
 
 
-def _zamba2(seed, layers=6):
+def _zamba2(vocab, layers=6):
     from transformers import Zamba2Config, Zamba2ForCausalLM
     return Zamba2ForCausalLM(Zamba2Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, intermediate_size=96,
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, intermediate_size=96,
         num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=8, mamba_headdim=16, mamba_ngroups=2,
         mamba_d_state=16, mamba_expand=2, chunk_size=8, num_mem_blocks=2, use_shared_attention_adapter=True,
         adapter_rank=8, use_mem_rope=True, layers_block_type=["mamba", "hybrid"] * (layers // 2),
@@ -80,18 +80,18 @@ BUILDERS = {"zamba2": _zamba2, "mamba2": _mamba2, "bamba": _bamba, "granite": _g
             "falcon_h1": _falcon_h1}
 
 
-def build(family: str, tmp_path, seed: int = 0, **kw):
+def build(family: str, tmp_path, seed: int = 0, vocab: int = VOCAB, **kw):
     """A random model of ``family``, saved with save_pretrained and loaded back with from_pretrained
     (fp32, eval). Weights are scaled up from the init so every path matters."""
     torch.manual_seed(seed)
-    model = BUILDERS[family](seed, **kw)
+    model = BUILDERS[family](vocab, **kw)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.1)
             elif name.endswith("D") or name.endswith("dt_bias"):
                 p.uniform_(-1.0, 1.0)
-    directory = tmp_path / f"{family}-{seed}"
+    directory = tmp_path / f"{family}-{seed}-{vocab}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
     model.save_pretrained(directory)
     return type(model).from_pretrained(directory, dtype=torch.float32).eval(), directory
 

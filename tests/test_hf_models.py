@@ -1,0 +1,198 @@
+"""transformers' Mamba2 family through stree.patch, against each model's own cached decoding in
+transformers (one token at a time, its own cache class, explicit positions: tests/hf_models.py),
+its own ``generate``, and the exact target distribution (chi-square)."""
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import stree
+from stree.tree import TokenTree
+from tests.hf_models import VOCAB, StepOracle, build
+
+# family -> extra build options (variants exercise the optional paths of a family)
+CASES = {
+    "mamba2": {},
+    "bamba": {},
+    "granite": {},
+    "granite-norope-dense": {"rope": False, "experts": 0},
+    "nemotron_h": {},
+    "falcon_h1": {},
+    "falcon_h1-silu-gate": {"rms_norm": False},
+    "zamba2": {},
+}
+# class -> the layer kinds its test config must contain (guards against a config that silently
+# builds fewer kinds than intended)
+KINDS = {"mamba2": {"Mamba2View"}, "bamba": {"Mamba2View", "AttentionView"},
+         "granite": {"Mamba2View", "AttentionView"}, "nemotron_h": {"Mamba2View", "AttentionView"},
+         "falcon_h1": {"FalconH1Mamba2View", "FalconH1AttentionView"},
+         "zamba2": {"Mamba2View", "Zamba2AttentionView"}}
+
+
+def family_of(case):
+    return case.split("-")[0]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf")
+
+
+def close(a, b, what, atol=1e-4):
+    err = (a - b).abs().max().item()
+    assert err <= atol, f"{what}: max abs error {err:.3g}"
+    return err
+
+
+def check_states(model, cache, oracle, row=0):
+    """Every stree layer state against the oracle's DynamicCache (conv, SSM state, committed K/V)."""
+    ref, t = oracle.cache, oracle.length
+    assert cache.seqlens[row] == t
+    n = len(ref.layers)
+    for idx, st in cache.layers.items():
+        layer = idx % n  # FalconH1 / Zamba2 keep a layer's attention at num_layers + i
+        if hasattr(st, "ssm_state"):
+            close(st.ssm_state[row], ref.get_recurrent_state(layer, state_idx=0)[0], f"layer {idx} ssm")
+            close(st.conv_state[row], ref.get_conv_state(layer, state_idx=0)[0], f"layer {idx} conv")
+        else:
+            close(st.k[row, :, :t], ref.layers[layer].keys[0], f"layer {idx} K")
+            close(st.v[row, :, :t], ref.layers[layer].values[0], f"layer {idx} V")
+
+
+def random_tree(rng, n, vocab=VOCAB):
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return TokenTree(torch.tensor([rng.randrange(vocab) for _ in range(n)]), parents)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tree_logits_and_commits_match_own_cached_decoding(case, tmp):
+    rng = random.Random(hash(case) % 1000)
+    model, _ = build(family_of(case), tmp, **CASES[case])
+    oracle = StepOracle(model)
+    stree.patch(model)
+    kinds = {type(v).__name__ for _, v in stree.hf.family(model).stree_mixers()}
+    assert kinds == KINDS[family_of(case)]
+    cache = model.allocate_tree_cache(1, 96)
+    prompt = [rng.randrange(VOCAB) for _ in range(11)]  # longer than chunk_size=8
+    close(model.prefill(torch.tensor([prompt]), cache)[0], oracle.feed(prompt), "prefill logits")
+    check_states(model, cache, oracle)
+    for rnd, n in enumerate([9, 5, 12]):
+        tree = random_tree(rng, n)
+        close(model.tree_forward(tree, cache)[0], oracle.node_logits(tree), f"round {rnd} logits")
+        node = rng.choice([i for i in range(n) if int(tree.depth[0, i]) >= 1] or [0])
+        path = [int(j) for j in tree.paths[0, node] if j >= 0]
+        cache.commit(torch.tensor([path]))
+        oracle.feed([int(tree.tokens[0, j]) for j in path])
+        check_states(model, cache, oracle)
+
+
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "zamba2"])
+def test_batch_of_two_with_different_trees_and_ragged_prompts(family, tmp):
+    rng = random.Random(7)
+    model, _ = build(family, tmp, seed=1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in (3, 10)]
+    oracles = [StepOracle(model) for _ in prompts]
+    for o, p in zip(oracles, prompts):
+        o.feed(p)
+    stree.patch(model)
+    cache = model.allocate_tree_cache(2, 64)
+    model.prefill([torch.tensor(p) for p in prompts], cache)
+    for r in range(2):
+        check_states(model, cache, oracles[r], row=r)
+    for _ in range(3):
+        parents = torch.tensor([[-1, 0, 0, 1, 3, 2], [-1, 0, 1, 2, 0, 4]])
+        tree = TokenTree(torch.randint(0, VOCAB, (2, 6)), parents)
+        logits = model.tree_forward(tree, cache)
+        paths = [[0, 1, 3, 4], [0, 4]]
+        for r in range(2):
+            close(logits[r], oracles[r].node_logits(tree, row=r), f"row {r} logits")
+        cache.commit(torch.tensor([paths[0], paths[1] + [-1, -1]]))
+        for r in range(2):
+            oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
+            check_states(model, cache, oracles[r], row=r)
+
+
+# target family -> draft (another family or a smaller size, same vocabulary)
+DRAFTS = {"mamba2": ("bamba", {"layers": 2}), "bamba": ("mamba2", {"layers": 1}),
+          "granite": ("nemotron_h", {"pattern": "M-"}), "nemotron_h": ("mamba2", {"layers": 1}),
+          "falcon_h1": ("zamba2", {"layers": 2}), "zamba2": ("falcon_h1", {"layers": 1})}
+
+
+@pytest.mark.parametrize("family", DRAFTS)
+def test_greedy_generate_equals_own_generate(family, tmp):
+    target, _ = build(family, tmp, seed=2)
+    draft_family, kw = DRAFTS[family]
+    draft, _ = build(draft_family, tmp, seed=3, **kw)
+    target.generation_config.eos_token_id = None  # 128 tokens whatever they are
+    prompt = torch.tensor([[5, 17, 33, 8, 41, 12]])
+    ref = target.generate(prompt, max_new_tokens=128, do_sample=False)
+    out = stree.generate(stree.patch(target), stree.patch(draft), prompt, max_new_tokens=128)
+    assert ref.shape[1] == prompt.shape[1] + 128
+    assert out.sequences[0, :ref.shape[1]].tolist() == ref[0].tolist()
+
+
+def _joint_probs(model, prompt, length, v):
+    """Exact target joint of the next ``length`` tokens from the model's own uncached forward."""
+    import itertools
+    seqs = torch.tensor([list(prompt) + list(c) for c in itertools.product(range(v), repeat=length)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=seqs).logits.double(), -1)
+    lp = sum(logp[:, len(prompt) - 1 + j].gather(1, seqs[:, len(prompt) + j, None])[:, 0]
+             for j in range(length))
+    return lp.exp()
+
+
+@pytest.mark.parametrize("method,drafter,verifier", [
+    ("tree", "static:3,2", "mss"),   # children sampled without replacement
+    ("tree", "beam:2x2", "naive"),
+    ("chain", "chain:2", "sps"),
+])
+def test_sampled_generation_has_the_target_distribution(method, drafter, verifier, tmp):
+    """Bamba target (Mamba2 + rotary attention), Mamba2 draft, vocab 5: all 3 generated tokens of
+    3000 rows against the exact joint (125 cells, chi-square)."""
+    v, rows, prompt = 5, 3000, [1, 3]
+    target, _ = build("bamba", tmp, seed=4, vocab=v)
+    draft, _ = build("mamba2", tmp, seed=5, vocab=v, layers=1)
+    expect = _joint_probs(target, prompt, 3, v)
+    out = stree.generate(stree.patch(target), stree.patch(draft), torch.tensor(prompt).expand(rows, -1), 3,
+                         temperature=1.0, method=method, drafter=drafter, verifier=verifier,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.stats.tau > 1.2  # speculation did happen
+    toks = out.sequences[:, len(prompt):len(prompt) + 3]
+    counts = torch.bincount((toks[:, 0] * v + toks[:, 1]) * v + toks[:, 2], minlength=v ** 3).double()
+    assert chisquare(counts, expect / expect.sum() * rows).pvalue > 1e-3
+
+
+def test_unsupported_transformers_class_is_refused_by_name():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(TypeError, match="LlamaForCausalLM"):
+        stree.patch(model)
+
+
+def test_cpu_torch_paths_when_stree_is_imported_first():
+    """The trap: a modeling module imported after stree (which makes mamba_ssm importable) must
+    still run its PyTorch paths on CPU tensors."""
+    code = ("import stree, torch\n"
+            "from transformers import Mamba2Config, Mamba2ForCausalLM\n"
+            "from transformers.models.mamba2 import modeling_mamba2 as mm\n"
+            "assert getattr(mm.mamba2_chunk_scan, '__stree_dispatch__', False)\n"
+            "m = Mamba2ForCausalLM(Mamba2Config(vocab_size=11, hidden_size=32, num_hidden_layers=1,"
+            " num_heads=4, head_dim=16, state_size=8, n_groups=1)).eval()\n"
+            "print(m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_load_and_cli_dispatch(tmp):
+    from stree import cli, hf
+    _, directory = build("granite", tmp, seed=6)
+    assert hf.is_checkpoint(str(directory))
+    model = cli.load_model(str(directory), "cpu", torch.float32)
+    assert type(model).__mro__[2].__name__ == "GraniteMoeHybridForCausalLM" and hasattr(model, "tree_forward")
+    with pytest.raises(ValueError, match="no transformers Mamba2-family class"):
+        hf.load(str(tmp))
