@@ -12,7 +12,7 @@ setup(
         "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=...)
         "triton>=3.1",
         "einops",
-        "transformers",
+        "transformers==5.23.0",
         "safetensors",
         "mamba-ssm>=2.2.4",
     ],

@@ -27,8 +27,6 @@ class Mamba2View:
         act = getattr(m, "activation", "silu")
         if act not in ("silu", "swish"):
             raise TypeError(f"{layer_name}: conv activation {act!r} is not supported (only silu)")
-        if getattr(m, "use_mem_eff_path", False) and getattr(m, "training", False):
-            raise TypeError(f"{layer_name}: put the model in eval mode before patching")
         self.m = m
         self.in_proj, self.conv1d, self.out_proj = m.in_proj, m.conv1d, m.out_proj
         self.A_log, self.dt_bias, self.D = m.A_log, m.dt_bias, m.D
