@@ -219,11 +219,29 @@ def test_cpu_torch_paths_when_stree_is_imported_first():
     assert res.returncode == 0, res.stderr[-2000:]
 
 
-def test_load_and_cli_dispatch(tmp):
+def _save_word_tokenizer(directory, v):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(v)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+
+
+def test_cli_generates_from_transformers_directories(tmp, capsys):
+    """``stree generate --target DIR --draft DIR`` on save_pretrained directories: the model type
+    comes from config.json, the tokenizer from AutoTokenizer; output = the target's own greedy."""
     from stree import cli, hf
-    _, directory = build("granite", tmp, seed=6)
-    assert hf.is_checkpoint(str(directory))
-    model = cli.load_model(str(directory), "cpu", torch.float32)
-    assert type(model).__mro__[2].__name__ == "GraniteMoeHybridForCausalLM" and hasattr(model, "tree_forward")
+
+    target, tdir = build("granite", tmp, seed=6)
+    _, ddir = build("nemotron_h", tmp, seed=7, pattern="M-")
+    _save_word_tokenizer(tdir, VOCAB)
+    assert hf.is_checkpoint(str(tdir)) and not hf.is_checkpoint(str(tmp))
+    args = ["generate", "--target", str(tdir), "--draft", str(ddir), "--prompt", "w5 w9 w13",
+            "--max-new-tokens", "12", "--eos-token-id", "-1", "--no-progress"]
+    assert cli.main(args) == 0
+    target.generation_config.eos_token_id = None
+    ref = target.generate(torch.tensor([[5, 9, 13]]), max_new_tokens=12, do_sample=False)[0, 3:]
+    assert capsys.readouterr().out.split() == [f"w{int(t)}" for t in ref]
     with pytest.raises(ValueError, match="no transformers Mamba2-family class"):
         hf.load(str(tmp))

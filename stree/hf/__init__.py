@@ -1,8 +1,7 @@
 """Hugging Face transformers' Mamba2 family for ``stree.patch``: one small module per family.
 
 ``family(model)`` gives the :class:`~stree.hf.common.Family` adapter of a supported transformers
-model (built once, kept on the model), ``None`` for a model that is not a transformers model of
-this family, and raises ``TypeError`` for a class of the family that is not supported yet.
+model (built once, kept on the model), or ``None`` (``stree.patch`` then refuses the model by name).
 ``load(directory)`` loads a ``save_pretrained`` directory through transformers' own
 ``from_pretrained`` (local files only).
 """
@@ -25,18 +24,12 @@ SUPPORTED = {
     "FalconH1ForCausalLM": ("stree.hf.falcon_h1", "FalconH1Family"),
     "Zamba2ForCausalLM": ("stree.hf.zamba2", "Zamba2Family"),
 }
-# Mamba2-family classes stree knows of but does not handle yet: refused by name.
-NOT_YET = ()
-
 _ATTR = "_stree_family"
 
 
-def _transformers_class(model) -> str | None:
-    """Name of the first transformers class in the model's MRO (``stree.patch`` subclasses it)."""
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("transformers."):
-            return cls.__name__
-    return None
+def _transformers_class(model):
+    """The first transformers class in the model's MRO (``stree.patch`` subclasses it), or None."""
+    return next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), None)
 
 
 def family(model):
@@ -44,32 +37,20 @@ def family(model):
     cached = model.__dict__.get(_ATTR)
     if cached is not None:
         return cached
-    name = _transformers_class(model)
-    if name is None:
+    cls = _transformers_class(model)
+    if cls is None or cls.__name__ not in SUPPORTED:
         return None
-    if name in NOT_YET:
-        raise TypeError(f"stree.patch: {name} is not supported yet (supported transformers classes: "
-                        f"{', '.join(SUPPORTED)})")
-    if name not in SUPPORTED:
-        return None
-    kernels.use_torch_paths_on_cpu(importlib.import_module(_module_of(model)))
-    mod, cls = SUPPORTED[name]
-    fam = getattr(importlib.import_module(mod), cls)(model)
+    kernels.use_torch_paths_on_cpu(importlib.import_module(cls.__module__))
+    mod, adapter = SUPPORTED[cls.__name__]
+    fam = getattr(importlib.import_module(mod), adapter)(model)
     model.__dict__[_ATTR] = fam
     return fam
-
-
-def _module_of(model) -> str:
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("transformers."):
-            return cls.__module__
-    raise TypeError(type(model).__name__)
 
 
 def is_checkpoint(directory: str) -> bool:
     """Whether ``directory`` holds a transformers checkpoint of a Mamba2-family class."""
     cfg = _read_config(directory)
-    return cfg is not None and any(a in SUPPORTED or a in NOT_YET for a in cfg.get("architectures") or ())
+    return cfg is not None and any(a in SUPPORTED for a in cfg.get("architectures") or ())
 
 
 def load(directory: str, dtype=None, device="cpu"):
@@ -77,12 +58,12 @@ def load(directory: str, dtype=None, device="cpu"):
     mode and not patched. Raises ``ValueError`` for a directory of another kind."""
     cfg = _read_config(directory)
     archs = (cfg or {}).get("architectures") or []
-    if not any(a in SUPPORTED or a in NOT_YET for a in archs):
+    if not any(a in SUPPORTED for a in archs):
         raise ValueError(f"{directory}: config.json names no transformers Mamba2-family class "
                          f"(architectures={archs}); supported: {', '.join(SUPPORTED)}")
     import transformers
 
-    cls = getattr(transformers, archs[0])
+    cls = getattr(transformers, next(a for a in archs if a in SUPPORTED))
     model = cls.from_pretrained(directory, local_files_only=True, dtype=dtype)
     return model.to(device).eval()
 
