@@ -31,6 +31,7 @@ def new_tokens(out, prompts):
 
 @pytest.mark.parametrize("method,drafter,verifier,n", [
     ("ar", None, None, 256),
+    ("ar-tree", None, None, 256),
     ("tree", "static:fig4a", None, 256),
     ("tree", "beam:4x3", None, 256),
     ("chain", None, None, 256),
@@ -52,7 +53,7 @@ def test_greedy_equals_target_greedy(target, draft, method, drafter, verifier, n
     assert sum(s.accept_hist.values()) == s.steps
     assert sum(k * c for k, c in s.accept_hist.items()) == s.new_tokens - 2  # first token: prefill
     assert s.steps <= 2 * s.target_calls
-    if method == "ar":
+    if method in ("ar", "ar-tree"):
         assert s.tau == 1.0 and s.accept_hist == {1: s.steps} and s.draft_calls == 0
     else:
         assert s.tau > 1.5  # the draft does get accepted
@@ -67,12 +68,27 @@ def test_unrolled_matches_packed_tree_statistics(target, draft):
 
 
 def test_batch_one_stats_and_ar_tau(target, draft):
-    ar = generate(target, None, PROMPTS[:1], 40, method="ar").stats
-    assert (ar.tau, ar.target_calls, ar.steps, ar.new_tokens) == (1.0, 39, 39, 40)
+    for method in ("ar", "ar-tree"):
+        ar = generate(target, None, PROMPTS[:1], 40, method=method).stats
+        assert (ar.tau, ar.target_calls, ar.steps, ar.new_tokens) == (1.0, 39, 39, 40)
     tree = generate(target, draft, PROMPTS[:1], 40).stats
     assert tree.steps == tree.target_calls == sum(tree.accept_hist.values())
     assert tree.tau == pytest.approx(39 / tree.target_calls)
     assert tree.draft_s > 0 and tree.verify_s > 0 and tree.replay_s > 0 and tree.total_s > 0
+
+
+def test_ar_is_the_models_own_decoding_and_stops_at_any_eos(target):
+    """method "ar" runs the model's own decoding (stree.native), never stree's tree path; equal-length
+    prompts decode as one batch, and a row stops at the first of several stop ids."""
+    target.calls.clear()
+    prompts = [PROMPTS[0], PROMPTS[0].flip(0)]
+    ref = [greedy_reference(target, p, 40) for p in prompts]
+    eos = [ref[0][5], ref[1][9]]
+    out = generate(target, None, prompts, 40, method="ar", eos_token_id=eos)
+    assert [c.kind for c in target.calls] == ["native"]
+    stops = [next(j for j, t in enumerate(r) if t in eos) for r in ref]
+    assert new_tokens(out, prompts) == [r[:j + 1] for r, j in zip(ref, stops)]
+    assert out.stats.steps == sum(stops) and out.stats.target_calls == max(stops)
 
 
 def test_perfect_draft_accepts_whole_paths_and_reforwards_the_draft(target):
@@ -138,7 +154,8 @@ def test_eos_inside_an_accepted_path(target, method):
         assert (out.sequences[i, length:] == 0).all()
 
 
-def test_streamer_gets_prompt_then_every_token(target, draft):
+@pytest.mark.parametrize("method", ["tree", "ar"])
+def test_streamer_gets_prompt_then_every_token(target, draft, method):
     class Collect:
         def __init__(self):
             self.chunks, self.ended = [], False
@@ -150,7 +167,7 @@ def test_streamer_gets_prompt_then_every_token(target, draft):
             self.ended = True
 
     s = Collect()
-    out = generate(target, draft, PROMPTS[0][None], 30, streamer=s)
+    out = generate(target, draft, PROMPTS[0][None], 30, streamer=s, method=method)
     assert s.ended and s.chunks[0] == PROMPTS[0].tolist()
     assert sum(s.chunks[1:], []) == out.sequences[0, len(PROMPTS[0]):].tolist()
     assert len(s.chunks) == 2 + out.stats.target_calls  # prompt, prefill token, one per call
