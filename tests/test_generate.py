@@ -1,6 +1,5 @@
 """The generate loop on fake models: greedy exactness of every method, EOS / max_new_tokens edges,
 errors, statistics, streaming, and the sampled output distribution at temperature > 0."""
-import os
 
 import pytest
 import torch
@@ -287,42 +286,3 @@ def test_distribution_test_catches_a_wrong_rule():
                    generator=torch.Generator().manual_seed(0))
     expect = _expected(target, prompt, rows)
     assert chisquare(_joint(out, prompt, 3, v).double(), expect).pvalue < 1e-6
-
-
-# -------------------------------------------------------------------------------------- CLI
-def _word_tokenizer(path, v):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(v)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    return tok
-
-
-@pytest.mark.parametrize("progress", [False, True])
-def test_cli_streams_text_and_prints_stats(tmp_path, monkeypatch, capsys, target, draft, progress):
-    import stree.cli as cli
-
-    tok = _word_tokenizer(tmp_path, V)
-    models = {"T": target, "D": draft}
-    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind: models[os.path.basename(d)])
-    for name in models:
-        (tmp_path / name).mkdir()
-    args = ["generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
-            "--prompt", "w1 w2 w3", "--max-new-tokens", "20", "--tree", "beam:3x2",
-            "--tokenizer", str(tmp_path), "--eos-token-id", "-1"] + ([] if progress else ["--no-progress"])
-    assert cli.main(args) == 0
-    out, err = capsys.readouterr()
-    assert out.strip() == tok.decode(greedy_reference(target, [1, 2, 3], 20))
-    assert "tau" in err and "beam:3x2" in err
-
-
-def test_cli_errors(tmp_path):
-    import stree.cli as cli
-
-    with pytest.raises(SystemExit, match="--draft is required"):
-        cli.main(["generate", "--target", str(tmp_path), "--prompt", "x"])
-    with pytest.raises(SystemExit, match="mamba_config.json"):
-        cli.load_model(str(tmp_path), "cpu", torch.float32, "hybrid")
-    with pytest.raises(SystemExit, match="tokenizer"):
-        cli.load_tokenizer(str(tmp_path))
