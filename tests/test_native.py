@@ -73,3 +73,13 @@ def test_unknown_model_family_is_named():
 
     with pytest.raises(TypeError, match="no native decoding for Opaque"):
         native.session_factory(Opaque())
+
+
+@pytest.mark.gpu
+def test_cuda_mamba_native_ar_replays_the_cg_graph_and_equals_the_tree_path():
+    """On the GPU "ar" decodes through mamba_ssm's captured graph (generate(cg=True)'s cache)."""
+    model = stree.patch(make_model(seed=21, n_layer=2).to("cuda"))
+    prompts = [PROMPTS[0].cuda(), PROMPTS[0].flip(0).cuda()]
+    native = _tokens(model, "ar", prompts, 32)
+    assert getattr(model, "_decoding_cache", None) is not None
+    assert native == _tokens(model, "ar-tree", prompts, 32)
