@@ -2,7 +2,11 @@
 
 Methods (``--methods``), all through ``stree.generate`` with batch size 1, one prompt at a time:
 
-* ``ar``: autoregressive decoding (one token per target call);
+* ``ar``: the target's own autoregressive decoding at its best (``stree.native``: the hybrid's own
+  prefill + ``step``; mamba_ssm's own forward with its ``InferenceParams``, replaying the CUDA graph
+  of ``generate(cg=True)`` on a GPU), one token per target call: the baseline of every speed-up;
+* ``ar-tree``: stree's 1-node tree path (a root-only tree through ``tree_forward`` + ``commit``), to
+  show stree's own per-step overhead; not a baseline;
 * ``chain:K``: vanilla speculative decoding with a K-token draft chain (speculative sampling at T > 0);
 * ``tree:SPEC``: STree with drafter SPEC (``static:fig4a``, ``beam:4x3``, ... see ``stree.draft.presets``);
 * ``unrolled:SPEC``: the same drafts verified as separate root-to-leaf chains (a correctness baseline).
@@ -26,7 +30,6 @@ tokens/s bars, acceptance histograms; needs matplotlib), every row tagged with d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -60,13 +63,14 @@ class Method:
     @classmethod
     def parse(cls, spec: str) -> "Method":
         kind, _, rest = spec.partition(":")
-        if kind == "ar" and not rest:
-            return cls(spec, "ar", None)
+        if kind in ("ar", "ar-tree") and not rest:
+            return cls(spec, kind, None)
         if kind == "chain" and rest:
             return cls(spec, "chain", spec)
         if kind in ("tree", "unrolled") and rest:
             return cls(spec, kind, rest)
-        raise ValueError(f"unknown method {spec!r}: expected ar, chain:K, tree:SPEC or unrolled:SPEC")
+        raise ValueError(f"unknown method {spec!r}: expected ar, ar-tree, chain:K, tree:SPEC "
+                         "or unrolled:SPEC")
 
 
 @dataclass
@@ -96,7 +100,7 @@ def parse_args(argv=None) -> BenchConfig:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                    help="ar | chain:K | tree:SPEC | unrolled:SPEC (default: %(default)s)")
+                    help="ar | ar-tree | chain:K | tree:SPEC | unrolled:SPEC (default: %(default)s)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None,
                     help="default bf16 on CUDA, fp32 on CPU")
@@ -117,27 +121,17 @@ def parse_args(argv=None) -> BenchConfig:
                        device=a.device, dtype=dtype, seed=a.seed, out=a.out)
 
 
-def bos_token_id(model_dir: str) -> int | None:
-    """``bos_token_id`` of the checkpoint's config.json, if it names one."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        bos = json.load(f).get("bos_token_id")
-    return int(bos) if isinstance(bos, int) else None
-
-
 def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
     """Token ids of each prompt, the target's BOS first when its config has one (the shipped
-    models saw ``<|endoftext|>`` = BOS before every training file)."""
+    models saw ``<|endoftext|>`` = BOS before every training file), as the CLI and demo do."""
+    from stree.cli import encode_prompt, model_config
     from stree.prompts import load_prompts
 
     texts = load_prompts(cfg.prompts, limit=cfg.limit)
     if not texts:
         raise SystemExit(f"prompt set {cfg.prompts!r} gave no prompts")
-    bos = bos_token_id(cfg.target)
-    prefix = [] if bos is None else [bos]
-    return [torch.tensor(prefix + tokenizer.encode(t).ids, dtype=torch.long, device=device)
+    bos = model_config(cfg.target).get("bos_token_id")
+    return [torch.tensor(encode_prompt(tokenizer, t, bos), dtype=torch.long, device=device)
             for t in texts]
 
 
@@ -151,7 +145,7 @@ def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: i
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=ids.device).manual_seed(seed)
-    return generate(target, draft if method.method != "ar" else None, ids[None], max_new_tokens,
+    return generate(target, draft if method.drafter else None, ids[None], max_new_tokens,
                     temperature=temperature, eos_token_id=eos, drafter=method.drafter,
                     method=method.method, generator=generator)
 
@@ -296,7 +290,7 @@ def main(argv=None) -> int:
     dtype = DTYPES[cfg.dtype]
     tokenizer = load_tokenizer(cfg.target)
     target = load_model(cfg.target, device, dtype)
-    needs_draft = any(m.method != "ar" for m in cfg.methods)
+    needs_draft = any(m.drafter for m in cfg.methods)
     draft = load_model(cfg.draft, device, dtype) if needs_draft else None
     eos = default_eos(cfg.target, tokenizer)
     prompts = encode_prompts(cfg, tokenizer, device)

@@ -12,6 +12,10 @@ installed), then prints the statistics (stderr). Models load from local director
 
 The tokenizer is a ``tokenizer.json`` (Hugging Face ``tokenizers``): ``--tokenizer`` (the file or
 its directory), else the one in the target's directory.
+
+Bad input (a missing or broken model directory, an empty prompt, an unknown tree, a non-lossless
+verifier, bad sampling values, a model stree cannot patch) ends with one ``error: ...`` line on
+stderr and exit status 1; ``--debug`` shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt text")
-    g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "unrolled"])
+    g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "ar-tree", "unrolled"],
+                   help="ar: the model's own autoregressive decoding; ar-tree: stree's 1-node tree path")
     g.add_argument("--tree", default=None,
                    help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... "
                         "(default: fig4a; chain:4 for --method chain)")
@@ -48,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--tokenizer", help="tokenizer.json or its directory (default: the target's)")
-    g.add_argument("--eos-token-id", type=int, default=None,
-                   help="stop token (default: the model config's, else the tokenizer's "
-                        "end-of-text token); -1 disables")
+    g.add_argument("--eos-token-id", type=int, nargs="+", default=None, metavar="ID",
+                   help="stop token id(s) (default: every eos_token_id of the target's config.json "
+                        "and generation_config.json, else the tokenizer's end-of-text tokens); "
+                        "-1 disables")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -59,70 +65,140 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint layout (auto: transformers if config.json names a supported class, "
                         "hybrid if mamba_config.json exists, else mamba)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_flag(g)
     from stree import demo
 
     demo.build_parser(sub.add_parser("demo", help=demo.__doc__.split("\n")[0]))
     return parser
 
 
+def add_debug_flag(parser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an error instead of one line")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return run_generate(args)
     if args.command == "demo":
         from stree import demo
 
-        return demo.run(args)
-    return 2
+        return guarded(demo.run, args)
+    return guarded(run_generate, args)
+
+
+def guarded(run, args) -> int:
+    """``run(args)``, with any error printed as one ``error: ...`` line (exit status 1) unless
+    ``args.debug``, where it propagates with its traceback."""
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the command line's last line of defence
+        if getattr(args, "debug", False):
+            raise
+        print(f"error: {describe_error(err)}", file=sys.stderr)
+        return 1
+
+
+def describe_error(err: BaseException) -> str:
+    """One line: the message of errors stree raises on bad input, else the type and message."""
+    msg = " ".join(str(err).split())
+    if isinstance(err, (ValueError, TypeError, OSError)) and msg:
+        return msg
+    return f"{type(err).__name__}: {msg} (run with --debug for the traceback)"
 
 
 def run_generate(args) -> int:
-    from stree.generate import generate
+    from stree.generate import generate, resolve
+    from stree.verify import SamplingConfig
 
-    if args.method != "ar" and not args.draft:
-        raise SystemExit(f"--draft is required for --method {args.method}")
+    no_draft = args.method in ("ar", "ar-tree")
+    if not no_draft and not args.draft:
+        raise ValueError(f"--draft DIR is required for --method {args.method} "
+                         "(only --method ar and ar-tree run without a draft model)")
+    if no_draft and (args.tree or args.verifier):
+        raise ValueError(f"--method {args.method} drafts and verifies nothing: drop --tree/--verifier")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    # Validate the cheap things before loading models: sampling values, tree spec, verifier pair.
+    drafter = None if no_draft else (args.tree or ("chain:4" if args.method == "chain" else None))
+    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p))
+    text = read_prompt(args)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
-    target = load_model(args.target, device, dtype, args.model_type)
-    draft = load_model(args.draft, device, dtype, args.model_type) if args.method != "ar" else None
-    if args.prompt is not None:
-        text = args.prompt
-    else:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    ids = torch.tensor(tokenizer.encode(text).ids, dtype=torch.long, device=device)
+    ids = encode_prompt(tokenizer, text, model_config(args.target).get("bos_token_id"))
+    target = load_role("target", args.target, device, dtype, args.model_type)
+    draft = None if no_draft else load_role("draft", args.draft, device, dtype, args.model_type)
     eos = args.eos_token_id if args.eos_token_id is not None else default_eos(args.target, tokenizer)
-    drafter = args.tree
-    if drafter is None and args.method == "chain":
-        drafter = "chain:4"
     generator = None
     if args.seed is not None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, args.max_new_tokens, progress=not args.no_progress)
-    out = generate(target, draft, ids[None], args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=None if eos is None or eos < 0 else eos,
-                   drafter=None if args.method == "ar" else drafter, verifier=args.verifier,
-                   method=args.method, generator=generator, streamer=streamer)
+    out = generate(target, draft, torch.tensor([ids], device=device), args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   eos_token_id=None if -1 in eos else eos,
+                   drafter=drafter, verifier=args.verifier, method=args.method,
+                   generator=generator, streamer=streamer)
     print(out.stats.summary(), file=sys.stderr)
     return 0
 
 
+def read_prompt(args) -> str:
+    """The prompt text of ``--prompt`` / ``--prompt-file``; ValueError if it is empty."""
+    if args.prompt is not None:
+        text, where = args.prompt, "--prompt"
+    else:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text, where = f.read(), f"--prompt-file {args.prompt_file}"
+    if not text:
+        raise ValueError(f"the prompt is empty ({where}): generation needs at least one prompt token")
+    return text
+
+
+def encode_prompt(tokenizer, text: str, bos_token_id: int | None) -> list[int]:
+    """Token ids of ``text`` with the model's BOS in front (once: a tokenizer whose template
+    already adds it is left alone). The CLI and the demo both encode prompts here."""
+    ids = tokenizer.encode(text).ids
+    if bos_token_id is not None and (not ids or ids[0] != bos_token_id):
+        ids = [int(bos_token_id)] + ids
+    if not ids:
+        raise ValueError(f"the prompt {text!r} encodes to no tokens")
+    return ids
+
+
 # ------------------------------------------------------------------------------------ loading
+def load_role(role: str, directory: str, device, dtype, model_type: str = "auto"):
+    """:func:`load_model`, with any failure reported as ``"<role> model <dir>: <why>"``."""
+    try:
+        return load_model(directory, device, dtype, model_type)
+    except Exception as err:
+        raise ModelLoadError(f"{role} model {directory}: {describe_error(err)}") from err
+
+
+class ModelLoadError(ValueError):
+    """A model directory could not be turned into a patched model."""
+
+
 def load_model(directory: str, device, dtype, model_type: str = "auto"):
     """A patched model from a local checkpoint directory (see the module docstring)."""
     import stree
 
     if not os.path.isdir(directory):
-        raise SystemExit(f"model directory not found: {directory}")
+        raise FileNotFoundError(f"model directory not found: {directory}")
     from stree import hf
 
     if model_type == "transformers" or (model_type == "auto" and hf.is_checkpoint(directory)):
         return stree.patch(hf.load(directory, dtype=dtype, device=device))
     hybrid = os.path.exists(os.path.join(directory, "mamba_config.json"))
     if model_type == "hybrid" and not hybrid:
-        raise SystemExit(f"{directory} has no mamba_config.json: not a MambaInLlama hybrid checkpoint")
+        raise ValueError(f"{directory} has no mamba_config.json: not a MambaInLlama hybrid checkpoint")
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        subdirs = sorted(d for d in os.listdir(directory)
+                         if os.path.exists(os.path.join(directory, d, "config.json")))
+        hint = f" (it holds model directories {', '.join(subdirs)}: pass one of them)" if subdirs else ""
+        raise FileNotFoundError(f"no config.json in {directory}: not a model checkpoint directory{hint}")
     if model_type == "hybrid" or (model_type == "auto" and hybrid):
         from stree.hybrid import MambaInLlamaForCausalLM
 
@@ -137,23 +213,40 @@ def _load_mamba_lm(directory: str, device, dtype):
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        raw = json.load(f)
+    from stree.hybrid.checkpoint import check_state_dict, read_weights
+
+    raw = model_config(directory)
     known = {f.name for f in dataclasses.fields(MambaConfig)}
     model = MambaLMHeadModel(MambaConfig(**{k: v for k, v in raw.items() if k in known}),
                              device=device, dtype=dtype)
     bin_path = os.path.join(directory, "pytorch_model.bin")
     st_path = os.path.join(directory, "model.safetensors")
     if os.path.exists(bin_path):
-        state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        state = read_weights(bin_path)
     elif os.path.exists(st_path):
-        from safetensors.torch import load_file
-
-        state = load_file(st_path)
+        state = read_weights(st_path)
     else:
-        raise SystemExit(f"{directory}: neither pytorch_model.bin nor model.safetensors found")
-    model.load_state_dict(state)
+        raise FileNotFoundError(f"{directory}: neither pytorch_model.bin nor model.safetensors found")
+    tied = {"lm_head.weight"} if model.config.tie_embeddings else set()
+    check_state_dict({k: v.shape for k, v in model.state_dict().items()}, state, optional=tied)
+    model.load_state_dict(state, strict=not tied)
     return model
+
+
+def model_config(directory: str) -> dict:
+    """The parsed ``config.json`` of a model directory ({} if there is none)."""
+    return read_json(os.path.join(directory, "config.json"))
+
+
+def read_json(path: str) -> dict:
+    """A JSON file's object ({} if the file does not exist); ValueError naming a broken file."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from err
 
 
 def load_tokenizer(path: str):
@@ -168,40 +261,48 @@ def load_tokenizer(path: str):
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
-        raise SystemExit(f"no tokenizer.json at {path}; pass --tokenizer FILE_OR_DIR")
-    return Tokenizer.from_file(file)
+        raise FileNotFoundError(f"no tokenizer.json at {path}; pass --tokenizer FILE_OR_DIR")
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as err:
+        raise ValueError(f"{file} is not a readable tokenizer.json ({describe_error(err)})") from err
 
 
-def default_eos(model_dir: str, tokenizer) -> int | None:
-    """The model config's ``eos_token_id`` (first if a list), else the tokenizer's end-of-text."""
-    cfg = os.path.join(model_dir, "config.json")
-    if os.path.exists(cfg):
-        with open(cfg, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return next((tokenizer.token_to_id(t) for t in EOS_TOKENS if tokenizer.token_to_id(t) is not None), None)
+def default_eos(model_dir: str, tokenizer) -> list[int]:
+    """Stop ids: every ``eos_token_id`` of ``config.json`` and ``generation_config.json`` (an id or
+    a list; chat models end a turn with an id their config lists second, e.g. Llama-3.1's
+    ``<|eot_id|>``), else the tokenizer's end-of-text tokens; [] if none is known."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        eos = read_json(os.path.join(model_dir, name)).get("eos_token_id")
+        for t in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+            if int(t) not in ids:
+                ids.append(int(t))
+    if ids:
+        return ids
+    return [tokenizer.token_to_id(t) for t in EOS_TOKENS if tokenizer.token_to_id(t) is not None]
 
 
 # ---------------------------------------------------------------------------------- streaming
 class TextStreamer:
     """``generate``'s streamer: prints the decoded continuation as tokens are accepted.
 
-    Decodes all new tokens each time and prints what was added (a token can change how the text
-    before it decodes, e.g. a multi-byte character split over tokens). When stdout and stderr are
-    the same terminal, text goes out line by line through the progress bar so the bar stays below.
+    Decoding is incremental (as vLLM's detokenizer): each ``put`` decodes a window from the start
+    of the previously printed chunk, with and without the new tokens, and prints the difference;
+    the window never covers the whole output. Decoding from one chunk back keeps tokenizers that
+    drop a leading space at the start of a decode correct, and text is held back while it ends in
+    an incomplete multi-byte character (a BPE token can carry part of one). The progress bar goes
+    to stderr only when stdout is not a terminal (text to a file or pipe); on a terminal the
+    streamed text is the progress, so nothing is drawn between its lines.
     """
 
     def __init__(self, tokenizer, total: int, progress: bool = True, out=None, err=None):
         self.tokenizer, self.out, self.err = tokenizer, out or sys.stdout, err or sys.stderr
         self.tokens: list[int] = []
-        self.shown = 0
-        self.pending_line = ""
+        self.prefix = self.read = 0  # window start; tokens[:read] have been printed
         self.prompt_seen = False
-        self.bar = _progress_bar(total, self.err) if progress else None
-        self.shared_tty = self.out.isatty() and self.err.isatty()
+        show_bar = progress and not _isatty(self.out)
+        self.bar = _progress_bar(total, self.err) if show_bar else None
 
     def put(self, tokens: torch.Tensor) -> None:
         if not self.prompt_seen:  # the first put is the prompt
@@ -209,29 +310,32 @@ class TextStreamer:
             return
         new = tokens.view(-1).tolist()
         self.tokens += new
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):  # incomplete multi-byte character: wait for the rest
-            text = text[:-1]
-        delta, self.shown = text[self.shown:], max(self.shown, len(text))
+        printed, text = self._window()
+        if len(text) > len(printed) and not text.endswith("\ufffd"):  # complete characters only
+            self._write(text[len(printed):])
+            self.prefix, self.read = self.read, len(self.tokens)
         if self.bar is not None:
             self.bar.update(len(new))
-        self._write(delta)
 
     def end(self) -> None:
-        self._write(self.tokenizer.decode(self.tokens)[self.shown:] + "\n")
+        printed, text = self._window()
+        self._write(text[len(printed):] + "\n")
+        self.prefix = self.read = len(self.tokens)
         if self.bar is not None:
             self.bar.close()
 
+    def _window(self) -> tuple[str, str]:
+        """(decoded printed part of the window, decoded whole window)."""
+        decode = self.tokenizer.decode
+        return decode(self.tokens[self.prefix:self.read]), decode(self.tokens[self.prefix:])
+
     def _write(self, text: str) -> None:
-        if not text:
-            return
-        if self.bar is None or not self.shared_tty:
-            self.out.write(text)
-            self.out.flush()
-            return
-        *lines, self.pending_line = (self.pending_line + text).split("\n")
-        for line in lines:
-            self.bar.write(line, file=self.out)
+        self.out.write(text)
+        self.out.flush()
+
+
+def _isatty(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 class _SimpleBar:
@@ -245,29 +349,20 @@ class _SimpleBar:
         self.file.write(f"\r{self.n}/{self.total} tokens")
         self.file.flush()
 
-    def write(self, line: str, file) -> None:
-        self.file.write("\r\033[K")
-        file.write(line + "\n")
-        self.update(0)
-
     def close(self) -> None:
         self.file.write("\n")
 
 
 class _TqdmBar:
-    """tqdm behind the same three verbs; ``write`` keeps the bar below the text."""
+    """tqdm behind the same two verbs."""
 
     def __init__(self, total: int, file):
         from tqdm.auto import tqdm
 
-        self.tqdm = tqdm
         self.bar = tqdm(total=total, file=file, unit="tok", leave=False, dynamic_ncols=True)
 
     def update(self, n: int) -> None:
         self.bar.update(n)
-
-    def write(self, line: str, file) -> None:
-        self.tqdm.write(line, file=file)
 
     def close(self) -> None:
         self.bar.close()

@@ -1,9 +1,11 @@
 """``stree demo``: the main job on the small target/draft pair the project ships (``models/``).
 
 Generates from a real prompt (a HumanEval problem) with STree, prints the text, then decodes the
-same prompt with autoregressive decoding, vanilla chain speculative decoding (4 drafted tokens) and
-STree (the Fig. 4a tree) at temperature 0, prints tau and tokens/s side by side, and checks that
-the three texts are identical (exactness: all three must equal the target's greedy output).
+same prompt with the target's own autoregressive decoding (its own prefill and ``step``, see
+``stree.native``: the baseline), vanilla chain speculative decoding (4 drafted tokens) and STree
+(the Fig. 4a tree) at temperature 0, prints tau, tokens/s and the speed-up over the model's own
+decoding side by side, and checks that the three texts are identical (exactness: all three must
+equal the target's greedy output).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 DEFAULT_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "models", "stree-tiny")
 FALLBACK_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
-METHODS = [("autoregressive", "ar", None), ("chain SD (K=4)", "chain", "chain:4"),
+METHODS = [("autoregressive (model's own)", "ar", None), ("chain SD (K=4)", "chain", "chain:4"),
            ("STree (fig4a)", "tree", "static:fig4a")]
 
 
@@ -27,6 +29,9 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--prompt", default=None, help="prompt text (default: HumanEval/0)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    from stree.cli import add_debug_flag
+
+    add_debug_flag(parser)
     return parser
 
 
@@ -40,30 +45,36 @@ def default_prompt() -> str:
 
 
 def run(args) -> int:
-    from stree.cli import default_eos, load_model, load_tokenizer
+    from stree.cli import default_eos, encode_prompt, load_role, load_tokenizer, model_config
     from stree.generate import generate
 
     target_dir, draft_dir = (os.path.join(args.models, d) for d in ("target", "draft"))
     for d in (target_dir, draft_dir):
         if not os.path.isdir(d):
-            raise SystemExit(f"{d} not found: the shipped pair lives in models/stree-tiny "
-                             "(rebuild it with `python models/recipe.py --out models/stree-tiny`)")
+            raise FileNotFoundError(f"{d} not found: --models needs a directory holding target/ and "
+                                    "draft/ (the shipped pair is models/stree-tiny; rebuild it with "
+                                    "`python models/recipe.py --out models/stree-tiny`)")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = args.prompt if args.prompt is not None else default_prompt()
+    if not prompt:
+        raise ValueError("the prompt is empty (--prompt): generation needs at least one prompt token")
     torch.manual_seed(0)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = load_tokenizer(target_dir)
-    target = load_model(target_dir, device, dtype)
-    draft = load_model(draft_dir, device, dtype)
-    eos = default_eos(target_dir, tokenizer)
-    prompt = args.prompt if args.prompt is not None else default_prompt()
-    bos = getattr(getattr(target, "config", None), "bos_token_id", None)
     # the shipped models saw <|endoftext|> (= bos) before every training file
-    ids = torch.tensor([([bos] if bos is not None else []) + tokenizer.encode(prompt).ids], device=device)
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, model_config(target_dir).get("bos_token_id"))],
+                       device=device)
+    target = load_role("target", target_dir, device, dtype)
+    draft = load_role("draft", draft_dir, device, dtype)
+    eos = default_eos(target_dir, tokenizer)
     print(f"target: {_describe(target)}\ndraft:  {_describe(draft)}\n")
     print("=" * 30 + " prompt " + "=" * 30 + f"\n{prompt}")
 
-    # warm up once so the first timed method does not pay for lazy initialisation
-    generate(target, draft, ids, 8, eos_token_id=eos)
+    # warm every method up once so no timed run pays for lazy initialisation
+    for _, method, drafter in METHODS:
+        generate(target, draft, ids, 8, method=method, drafter=drafter, eos_token_id=eos)
     rows, texts = [], {}
     for name, method, drafter in METHODS:
         out = generate(target, draft, ids, args.max_new_tokens, method=method, drafter=drafter,
@@ -75,12 +86,12 @@ def run(args) -> int:
             print("=" * 24 + " STree continuation " + "=" * 24 + f"\n{texts[name]}\n" + "=" * 68)
 
     print(f"\ntemperature 0, {args.max_new_tokens} new tokens at most, device {device}")
-    print(f"{'method':<18}{'tokens':>8}{'tau':>8}{'tok/s':>10}{'speed-up':>10}"
+    print(f"{'method':<30}{'tokens':>8}{'tau':>8}{'tok/s':>10}{'vs AR':>8}"
           f"{'draft s':>9}{'verify s':>10}{'replay s':>10}")
     base = rows[0][1].tokens_per_s
     for name, s in rows:
-        print(f"{name:<18}{s.new_tokens:>8}{s.tau:>8.2f}{s.tokens_per_s:>10.1f}"
-              f"{s.tokens_per_s / base:>9.2f}x{s.draft_s:>9.2f}{s.verify_s:>10.2f}{s.replay_s:>10.2f}")
+        print(f"{name:<30}{s.new_tokens:>8}{s.tau:>8.2f}{s.tokens_per_s:>10.1f}"
+              f"{s.tokens_per_s / base:>7.2f}x{s.draft_s:>9.2f}{s.verify_s:>10.2f}{s.replay_s:>10.2f}")
     same = len(set(texts.values())) == 1
     print("\nall three texts identical (lossless at temperature 0):", "YES" if same else "NO")
     return 0 if same else 1
@@ -98,7 +109,9 @@ def _describe(model) -> str:
 
 
 def main(argv=None) -> int:
-    return run(build_parser().parse_args(argv))
+    from stree.cli import guarded
+
+    return guarded(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

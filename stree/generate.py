@@ -14,7 +14,10 @@ The methods share that loop and its statistics and differ only in the drafter an
 * ``"tree"``: any drafter (default the Fig. 4a static tree), verified in one packed tree_forward.
 * ``"chain"``: a :class:`ChainDrafter` (default 4 tokens, 1 x 5 input; speculative sampling at
   T > 0): vanilla speculative decoding with activation replay.
-* ``"ar"``: a root-only tree and no draft model: one token per target call.
+* ``"ar"``: the model's own autoregressive decoding (:mod:`stree.native`), the honest baseline;
+  no draft model, same statistics (one target call per token).
+* ``"ar-tree"``: stree's 1-node tree path (a root-only tree through ``tree_forward`` + ``commit``)
+  and no draft model: what the loop costs without drafting, not a baseline.
 * ``"unrolled"``: the drafted tree's root-to-leaf paths as separate batch rows of chains (FSS on
   unrolled sequences); same drafts and verdicts as ``"tree"``, for correctness comparisons.
 """
@@ -26,12 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from stree import native
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
 from stree.verify import SamplingConfig, default_verifier, get_verifier, sample_from, target_probs
 
-METHODS = ("tree", "chain", "ar", "unrolled")
+METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
 DEFAULT_DRAFTERS = {"tree": "static:fig4a", "unrolled": "static:fig4a", "chain": "chain:4"}
 
 
@@ -55,7 +59,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
 
     Args:
         target, draft: patched models (``stree.patch``) with the same vocabulary; ``draft`` may be
-            None for ``method="ar"``.
+            None for ``method="ar"`` / ``"ar-tree"``.
         input_ids: ``(b, l)`` / ``(l,)`` tensor, or a list of 1-D prompts of different lengths.
         max_new_tokens: exact cap on new tokens per row (an accepted path is truncated).
         temperature, top_k, top_p: target sampling (``temperature == 0``: greedy).
@@ -64,7 +68,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method.
         verifier: "greedy" | "mss" | "naive" | "sps" | a verifier object; None picks the lossless
             default for the sampling config and draft mode.
-        method: "tree" | "chain" | "ar" | "unrolled" (see the module docstring).
+        method: "tree" | "chain" | "ar" | "ar-tree" | "unrolled" (see the module docstring).
         generator: torch.Generator for all sampling (drafts and verification).
         streamer: object with ``put(tokens)`` / ``end()`` (mamba_ssm / Hugging Face style): gets the
             prompt, then the tokens of every step as they are accepted. Batch size 1 only.
@@ -94,6 +98,11 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     stats = GenerationStats(method, drafter=getattr(drafter, "name", type(drafter).__name__),
                             verifier=getattr(verifier, "name", type(verifier).__name__),
                             batch_size=len(prompts))
+    if method == "ar":  # the model's own decoding: no tree, drafter or verifier
+        stats.drafter = stats.verifier = ""
+        new = native.generate(target, prompts, max_new_tokens, sampling, eos, generator, streamer,
+                              stats, device)
+        return _finish(prompts, new, stats, start, eos, pad_token_id)
     b = len(prompts)
     side = (_UnrolledTarget(target, b, drafter.max_leaves, seqlen) if method == "unrolled"
             else _PackedTarget(target, b, seqlen))
@@ -101,6 +110,10 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     with torch.inference_mode():
         new = _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, generator,
                     streamer, stats, device)
+    return _finish(prompts, new, stats, start, eos, pad_token_id)
+
+
+def _finish(prompts, new, stats, start: float, eos: set[int], pad_token_id) -> GenerationOutput:
     stats.new_tokens = sum(len(t) for t in new)
     stats.total_s = time.perf_counter() - start
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
@@ -114,9 +127,9 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
     verifier, top-k children where it is lossless with them (greedy sampling, naive), else the
     first sampled mode it accepts. Raises ValueError for a pair that would not be lossless.
     """
-    if method == "ar":
+    if method in ("ar", "ar-tree"):
         if drafter is not None or verifier is not None:
-            raise ValueError("method 'ar' drafts and verifies nothing: leave drafter and verifier None")
+            raise ValueError(f"method {method!r} drafts and verifies nothing: leave drafter and verifier None")
         drafter = StaticTreeDrafter((-1,), mode="deterministic", name="none")
     else:
         drafter = parse_drafter(drafter if drafter is not None else DEFAULT_DRAFTERS[method])
@@ -339,7 +352,7 @@ def vocab_size(model) -> int | None:
 
 def _check_vocab(target, draft) -> None:
     if draft is None:
-        raise ValueError("this method needs a draft model (only method='ar' runs without one)")
+        raise ValueError("this method needs a draft model (only methods 'ar' and 'ar-tree' run without one)")
     vt, vd = vocab_size(target), vocab_size(draft)
     if vt is not None and vd is not None and vt != vd:
         raise ValueError(f"vocabulary mismatch: target logits have {vt} entries, draft {vd}; "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stree import native
 from stree.tree import TokenTree
 
 
@@ -136,6 +137,27 @@ class FakeLM:
         prev = torch.where(tree.parents >= 0, parent_tok, self._last(cache)[:, None])
         cache.pending = tree
         return self.table[prev, tree.tokens]
+
+
+class FakeNativeSession:
+    """FakeLM's "own decoding" for ``stree.native``: the table read token by token, no cache."""
+
+    def __init__(self, model: FakeLM, batch_size: int, prompt_len: int, max_seqlen: int):
+        self.model, self.prev, self.cur = model, None, None
+        model.calls.append(Call("native", torch.zeros(batch_size, prompt_len, dtype=torch.long)))
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        v = self.model.vocab_size
+        self.prev = input_ids[:, -2] if input_ids.shape[1] > 1 else torch.full_like(input_ids[:, 0], v)
+        self.cur = input_ids[:, -1]
+        return self.model.table[self.prev, self.cur]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.prev, self.cur = self.cur, tokens
+        return self.model.table[self.prev, self.cur]
+
+
+native.register(lambda m: isinstance(m, FakeLM), FakeNativeSession)
 
 
 def greedy_reference(model: FakeLM, prompt, max_new_tokens: int,

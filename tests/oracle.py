@@ -63,6 +63,10 @@ class SequentialDecoder:
         qkv = m.in_proj(h)[0, 0]
         hq, hkv, d = m.num_heads, m.num_heads_kv, m.head_dim
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d])
+        if m.rotary_emb_dim > 0:  # the MHA's own rotary module (flash-attn's, or tests/flash_rotary)
+            kv = torch.stack([k.view(hkv, d), v.view(hkv, d)])[None, None]
+            q, kv = m.rotary_emb(q.view(1, 1, hq, d), kv, seqlen_offset=len(ks))
+            k = kv[0, 0, 0]
         ks.append(k.view(hkv, d))
         vs.append(v.view(hkv, d))
         K = torch.stack(ks, 1).repeat_interleave(hq // hkv, 0)  # (hq, t, d)

@@ -63,7 +63,7 @@ def test_e2e_smoke(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "results"
-    methods = ["ar", "chain:4", "tree:static:fig4a", "tree:beam:4x3"]
+    methods = ["ar", "ar-tree", "chain:4", "tree:static:fig4a", "tree:beam:4x3"]
     rc = e2e.main(["--models", str(models), "--prompts", str(prompts), "--limit", "2",
                    "--max-new-tokens", "12", "--temperatures", "0", "1", "--methods", *methods,
                    "--device", "cpu", "--out", str(out)])

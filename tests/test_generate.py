@@ -1,6 +1,5 @@
 """The generate loop on fake models: greedy exactness of every method, EOS / max_new_tokens edges,
 errors, statistics, streaming, and the sampled output distribution at temperature > 0."""
-import os
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ def new_tokens(out, prompts):
 
 @pytest.mark.parametrize("method,drafter,verifier,n", [
     ("ar", None, None, 256),
+    ("ar-tree", None, None, 256),
     ("tree", "static:fig4a", None, 256),
     ("tree", "beam:4x3", None, 256),
     ("chain", None, None, 256),
@@ -52,7 +52,7 @@ def test_greedy_equals_target_greedy(target, draft, method, drafter, verifier, n
     assert sum(s.accept_hist.values()) == s.steps
     assert sum(k * c for k, c in s.accept_hist.items()) == s.new_tokens - 2  # first token: prefill
     assert s.steps <= 2 * s.target_calls
-    if method == "ar":
+    if method in ("ar", "ar-tree"):
         assert s.tau == 1.0 and s.accept_hist == {1: s.steps} and s.draft_calls == 0
     else:
         assert s.tau > 1.5  # the draft does get accepted
@@ -67,12 +67,27 @@ def test_unrolled_matches_packed_tree_statistics(target, draft):
 
 
 def test_batch_one_stats_and_ar_tau(target, draft):
-    ar = generate(target, None, PROMPTS[:1], 40, method="ar").stats
-    assert (ar.tau, ar.target_calls, ar.steps, ar.new_tokens) == (1.0, 39, 39, 40)
+    for method in ("ar", "ar-tree"):
+        ar = generate(target, None, PROMPTS[:1], 40, method=method).stats
+        assert (ar.tau, ar.target_calls, ar.steps, ar.new_tokens) == (1.0, 39, 39, 40)
     tree = generate(target, draft, PROMPTS[:1], 40).stats
     assert tree.steps == tree.target_calls == sum(tree.accept_hist.values())
     assert tree.tau == pytest.approx(39 / tree.target_calls)
     assert tree.draft_s > 0 and tree.verify_s > 0 and tree.replay_s > 0 and tree.total_s > 0
+
+
+def test_ar_is_the_models_own_decoding_and_stops_at_any_eos(target):
+    """method "ar" runs the model's own decoding (stree.native), never stree's tree path; equal-length
+    prompts decode as one batch, and a row stops at the first of several stop ids."""
+    target.calls.clear()
+    prompts = [PROMPTS[0], PROMPTS[0].flip(0)]
+    ref = [greedy_reference(target, p, 40) for p in prompts]
+    eos = [ref[0][5], ref[1][9]]
+    out = generate(target, None, prompts, 40, method="ar", eos_token_id=eos)
+    assert [c.kind for c in target.calls] == ["native"]
+    stops = [next(j for j, t in enumerate(r) if t in eos) for r in ref]
+    assert new_tokens(out, prompts) == [r[:j + 1] for r, j in zip(ref, stops)]
+    assert out.stats.steps == sum(stops) and out.stats.target_calls == max(stops)
 
 
 def test_perfect_draft_accepts_whole_paths_and_reforwards_the_draft(target):
@@ -138,7 +153,8 @@ def test_eos_inside_an_accepted_path(target, method):
         assert (out.sequences[i, length:] == 0).all()
 
 
-def test_streamer_gets_prompt_then_every_token(target, draft):
+@pytest.mark.parametrize("method", ["tree", "ar"])
+def test_streamer_gets_prompt_then_every_token(target, draft, method):
     class Collect:
         def __init__(self):
             self.chunks, self.ended = [], False
@@ -150,7 +166,7 @@ def test_streamer_gets_prompt_then_every_token(target, draft):
             self.ended = True
 
     s = Collect()
-    out = generate(target, draft, PROMPTS[0][None], 30, streamer=s)
+    out = generate(target, draft, PROMPTS[0][None], 30, streamer=s, method=method)
     assert s.ended and s.chunks[0] == PROMPTS[0].tolist()
     assert sum(s.chunks[1:], []) == out.sequences[0, len(PROMPTS[0]):].tolist()
     assert len(s.chunks) == 2 + out.stats.target_calls  # prompt, prefill token, one per call
@@ -270,42 +286,3 @@ def test_distribution_test_catches_a_wrong_rule():
                    generator=torch.Generator().manual_seed(0))
     expect = _expected(target, prompt, rows)
     assert chisquare(_joint(out, prompt, 3, v).double(), expect).pvalue < 1e-6
-
-
-# -------------------------------------------------------------------------------------- CLI
-def _word_tokenizer(path, v):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(v)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    return tok
-
-
-@pytest.mark.parametrize("progress", [False, True])
-def test_cli_streams_text_and_prints_stats(tmp_path, monkeypatch, capsys, target, draft, progress):
-    import stree.cli as cli
-
-    tok = _word_tokenizer(tmp_path, V)
-    models = {"T": target, "D": draft}
-    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind: models[os.path.basename(d)])
-    for name in models:
-        (tmp_path / name).mkdir()
-    args = ["generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
-            "--prompt", "w1 w2 w3", "--max-new-tokens", "20", "--tree", "beam:3x2",
-            "--tokenizer", str(tmp_path), "--eos-token-id", "-1"] + ([] if progress else ["--no-progress"])
-    assert cli.main(args) == 0
-    out, err = capsys.readouterr()
-    assert out.strip() == tok.decode(greedy_reference(target, [1, 2, 3], 20))
-    assert "tau" in err and "beam:3x2" in err
-
-
-def test_cli_errors(tmp_path):
-    import stree.cli as cli
-
-    with pytest.raises(SystemExit, match="--draft is required"):
-        cli.main(["generate", "--target", str(tmp_path), "--prompt", "x"])
-    with pytest.raises(SystemExit, match="mamba_config.json"):
-        cli.load_model(str(tmp_path), "cpu", torch.float32, "hybrid")
-    with pytest.raises(SystemExit, match="tokenizer"):
-        cli.load_tokenizer(str(tmp_path))

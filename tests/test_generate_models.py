@@ -53,14 +53,14 @@ def new_tokens(out):
 
 
 @pytest.mark.parametrize("method,drafter", [
-    ("ar", None), ("tree", "static:fig4a"), ("tree", "beam:4x3"), ("tree", "chain:4"),
+    ("ar-tree", None), ("tree", "static:fig4a"), ("tree", "beam:4x3"), ("tree", "chain:4"),
     ("chain", "chain:4"), ("unrolled", "static:fig4a"),
-], ids=["ar", "tree-fig4a", "tree-beam4x3", "tree-chain4", "chain-sd", "unrolled-fig4a"])
+], ids=["ar-tree", "tree-fig4a", "tree-beam4x3", "tree-chain4", "chain-sd", "unrolled-fig4a"])
 def test_mamba2_greedy_equals_sequential_greedy(mamba_pair, mamba_reference, method, drafter):
     target, draft = mamba_pair
     out = stree.generate(target, draft, PROMPTS, N_NEW, method=method, drafter=drafter)
     assert new_tokens(out) == mamba_reference
-    if method != "ar":
+    if method != "ar-tree":
         assert out.stats.tau > 1.2, f"tau {out.stats.tau}: the draft is never accepted?"
 
 

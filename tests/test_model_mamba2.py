@@ -18,7 +18,7 @@ ATOL = {torch.float32: 2e-4}
 
 
 def make_model(seed=0, n_layer=2, ngroups=1, attn_layer_idx=(), d_intermediate=0, dt_limit=None,
-               vocab=61, fused_add_norm=True, **ssm_extra):
+               vocab=61, fused_add_norm=True, attn_extra=None, **ssm_extra):
     torch.manual_seed(seed)
     ssm_cfg = {"layer": "Mamba2", "d_state": 16, "headdim": 16, "ngroups": ngroups,
                "use_mem_eff_path": False, "chunk_size": 16}
@@ -28,7 +28,7 @@ def make_model(seed=0, n_layer=2, ngroups=1, attn_layer_idx=(), d_intermediate=0
     cfg = MambaConfig(d_model=64, n_layer=n_layer, vocab_size=vocab, ssm_cfg=ssm_cfg,
                       attn_layer_idx=list(attn_layer_idx),
                       attn_cfg={"num_heads": 4, "num_heads_kv": 2, "causal": True,
-                                "qkv_proj_bias": False},
+                                "qkv_proj_bias": False, **(attn_extra or {})},
                       d_intermediate=d_intermediate, fused_add_norm=fused_add_norm,
                       pad_vocab_size_multiple=8)
     model = MambaLMHeadModel(cfg).eval()
@@ -102,6 +102,35 @@ def test_tree_logits_and_commit_match_sequential(case):
         check_states(model, cache, dec)
         committed += len(path)
         assert cache.seqlens == [committed]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [16, 8], ids=["full", "partial"])
+def test_mha_rotary_tree_matches_sequential(monkeypatch, rotary_dim, interleaved):
+    """mamba_ssm MHA with rotary (upstream needs flash-attn's RotaryEmbedding): stree's own rotary
+    over a tree against sequential decoding through a stand-in written from flash-attn's definition."""
+    from mamba_ssm.modules import mha
+
+    from tests.flash_rotary import RotaryEmbedding
+
+    monkeypatch.setattr(mha, "RotaryEmbedding", RotaryEmbedding)
+    extra = dict(rotary_emb_dim=rotary_dim, rotary_emb_interleaved=interleaved, rotary_emb_base=500.0)
+    model = make_model(seed=5, n_layer=2, attn_layer_idx=(0,), attn_extra=extra)
+    with torch.no_grad():  # larger q/k so rotation errors show in the attention weights
+        model.backbone.layers[0].mixer.in_proj.weight.mul_(4.0)
+    model = stree.patch(model)
+    rng = random.Random(3)
+    cache = model.allocate_tree_cache(1, 64)
+    dec = SequentialDecoder(model)
+    prompt = torch.tensor([[rng.randrange(61) for _ in range(5)]])
+    close(model.prefill(prompt, cache)[0], dec.feed(prompt[0]), "prefill logits")
+    for rnd in range(2):
+        tree = random_tree(9, 61, rng)
+        close(model.tree_forward(tree, cache)[0], node_logits(dec, tree), f"round {rnd} tree logits")
+        path = deepest_path(tree, rng)
+        cache.commit(torch.tensor([path]))
+        dec.feed([int(tree.tokens[0, j]) for j in path])
+        check_states(model, cache, dec)
 
 
 @pytest.mark.parametrize("widths", [[1], [1, 1, 1, 1, 1, 1], [3], [2, 4, 8, 16, 32]],

@@ -28,15 +28,38 @@ def load_state_dict(directory: str | os.PathLike, device: str | torch.device = "
     device = str(device)
     single = os.path.join(directory, SAFETENSORS_NAME)
     if os.path.isfile(single):
-        return load_file(single, device=device)
+        return read_weights(single, device)
     index_path = os.path.join(directory, SAFETENSORS_INDEX_NAME)
     if os.path.isfile(index_path):
         return _load_sharded(directory, index_path, device)
     bin_path = os.path.join(directory, BIN_NAME)
     if os.path.isfile(bin_path):
-        return torch.load(bin_path, map_location=device, weights_only=True)
+        return read_weights(bin_path, device)
     raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS_NAME}, "
                             f"{SAFETENSORS_INDEX_NAME} (+ shards) or {BIN_NAME}")
+
+
+def read_weights(path: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of one ``.safetensors`` or ``torch.save`` file; CheckpointError naming the file
+    when it cannot be read (truncated or corrupt)."""
+    try:
+        if path.endswith(".safetensors"):
+            return load_file(path, device=str(device))
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # safetensors, pickle and zip errors have no common base class
+        raise CheckpointError(f"cannot read {path}: the file is truncated or corrupt "
+                              f"({type(err).__name__}: {' '.join(str(err).split())})") from err
+
+
+def refuse_mamba1(state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError if the weights hold Mamba-1 layers (``x_proj`` / ``dt_proj``, or an
+    ``A_log`` of shape (d_inner, d_state)), which stree does not support."""
+    for key, value in state_dict.items():
+        name = key.rsplit(".", 2)
+        if (len(name) == 3 and name[1] in ("x_proj", "dt_proj")) or (key.endswith("A_log") and value.dim() == 2):
+            raise CheckpointError(f"{key!r} of shape {tuple(value.shape)} is a Mamba-1 layer weight: "
+                                  "Mamba-1 layers are not supported (stree runs MambaInLlama's "
+                                  "Mamba2 layers)")
 
 
 def _load_sharded(directory, index_path, device) -> dict[str, torch.Tensor]:
@@ -47,7 +70,7 @@ def _load_sharded(directory, index_path, device) -> dict[str, torch.Tensor]:
         path = os.path.join(directory, shard)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"shard {shard} listed in {SAFETENSORS_INDEX_NAME} not found in {directory}")
-        state_dict.update(load_file(path, device=device))
+        state_dict.update(read_weights(path, device))
     absent = [key for key in weight_map if key not in state_dict]
     if absent:
         raise CheckpointError(f"{SAFETENSORS_INDEX_NAME} lists {absent[0]!r} in {weight_map[absent[0]]}, "

@@ -43,6 +43,9 @@ _SSM_CFG_IGNORED = ("dt_min", "dt_max", "dt_init_floor", "A_init_range", "conv_i
 _SSM_CFG_REQUIRED_VALUE = {"repeat_kv_before_conv": False, "D_has_hdim": False, "rmsnorm": True,
                            "norm_before_gate": False, "bias": False, "conv_bias": True}
 
+# Options only mamba_ssm's Mamba-1 layer has (its low-rank dt projection and init).
+_MAMBA1_ONLY_KEYS = {"dt_rank", "dt_init", "dt_scale", "use_fast_path"}
+
 DEFAULT_DT_LIMIT = (0.0, math.inf)
 
 
@@ -161,11 +164,14 @@ class MambaInLlamaConfig:
                                  f"config.json: {llama_key}={llama[llama_key]!r}")
 
         ssm_cfg = dict(mamba.get("ssm_cfg") or {})
+        mamba1 = sorted(set(ssm_cfg) & _MAMBA1_ONLY_KEYS)
+        if ssm_cfg.get("layer", "Mamba2") != "Mamba2" or mamba1:
+            what = f"ssm_cfg.layer={ssm_cfg['layer']!r}" if "layer" in ssm_cfg else f"ssm_cfg fields {mamba1}"
+            raise ValueError(f"mamba_config.json: {what} describes Mamba-1 layers: Mamba-1 layers are not "
+                             "supported (stree runs MambaInLlama's Mamba2 layers)")
         for key, required in _SSM_CFG_REQUIRED_VALUE.items():
             if key in ssm_cfg and ssm_cfg.pop(key) != required:
                 raise ValueError(f"mamba_config.json: ssm_cfg.{key} must be {required!r} (other values are not supported)")
-        if ssm_cfg.get("layer", "Mamba2") != "Mamba2":
-            raise ValueError(f"mamba_config.json: ssm_cfg.layer={ssm_cfg['layer']!r} is not supported (expected 'Mamba2')")
         for key in _SSM_CFG_IGNORED:
             ssm_cfg.pop(key, None)
         expand = ssm_cfg.pop("expand", 2)

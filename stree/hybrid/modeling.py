@@ -19,7 +19,7 @@ from stree.verify.sampling import SamplingConfig, sample_from, target_probs
 
 from .attention import LlamaAttention
 from .cache import AttentionLayerCache, InferenceCache
-from .checkpoint import check_state_dict, load_state_dict, save_state_dict
+from .checkpoint import check_state_dict, load_state_dict, refuse_mamba1, save_state_dict
 from .config import MambaInLlamaConfig
 from .mamba import Mamba2GQA
 
@@ -220,11 +220,18 @@ class MambaInLlamaForCausalLM(nn.Module):
         """Load a local checkpoint directory (``config.json``, ``mamba_config.json``, weights).
 
         dtype None keeps the dtype of the stored embedding; the model is returned in eval mode.
-        Raises FileNotFoundError for a missing directory/file and CheckpointError naming the key for a
-        missing or unexpected tensor or a shape mismatch.
+        Raises FileNotFoundError for a missing directory/file, CheckpointError naming the file for an
+        unreadable (truncated) weight file, naming Mamba-1 weights (not supported), or naming the key
+        for a missing or unexpected tensor or a shape mismatch.
         """
-        config = MambaInLlamaConfig.from_pretrained(directory)
+        try:
+            config, config_error = MambaInLlamaConfig.from_pretrained(directory), None
+        except ValueError as err:  # a Mamba-1 checkpoint fails the Mamba2 size checks; say why below
+            config, config_error = None, err
         state_dict = load_state_dict(directory, device="cpu" if device is None else device)
+        refuse_mamba1(state_dict)
+        if config_error is not None:
+            raise config_error
         # Old HF Llama checkpoints stored the (recomputed) RoPE frequencies; they carry no weights.
         state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:
