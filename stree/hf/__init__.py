@@ -82,3 +82,6 @@ def _read_config(directory: str) -> dict | None:
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+from stree.hf import native  # noqa: E402,F401  (registers transformers' own decoding for method "ar")
