@@ -12,6 +12,10 @@ model family decodes with its own code at its best:
   (``update_graph_cache``). Its ``generate`` itself is not called because it builds CUDA events
   even on CPU and samples with its own ``sample`` (ties at the k-th logit dropped, no list of stop
   ids); the loop here samples every family the same way (:mod:`stree.verify.sampling`).
+* transformers' Mamba2 family (:mod:`stree.hf.native`, registered by ``import stree.hf``): its own
+  ``generate`` prepares the cache, positions and ``logits_to_keep`` (a ``custom_generate`` hook that
+  only captures them), then ``_prefill`` and, per token, ``prepare_inputs_for_generation`` -> forward
+  -> ``_update_model_kwargs_for_generation``, as ``generate``'s ``_sample`` loop runs them.
 
 A family plugs in with :func:`register`: a predicate on the model and a factory for a
 :class:`NativeSession` (prefill once, then one token per call). The loop, sampling, stop ids,
@@ -56,8 +60,9 @@ def session_factory(model) -> SessionFactory:
         if matches(model):
             return factory
     raise TypeError(f"no native decoding for {type(model).__name__}: method 'ar' runs the model's "
-                    "own decoding (stree.hybrid and mamba_ssm MambaLMHeadModel are registered in "
-                    "stree.native); method 'ar-tree' runs stree's 1-node tree path for any patched model")
+                    "own decoding (stree.hybrid, mamba_ssm MambaLMHeadModel and transformers' "
+                    "Mamba2 family are registered); method 'ar-tree' runs stree's 1-node tree path "
+                    "for any patched model")
 
 
 def generate(model, prompts: list[Tensor], max_new_tokens: int, sampling: SamplingConfig,
