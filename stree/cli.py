@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+from stree.jsonfile import read_json
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # End-of-text tokens of the tokenizers the supported model families ship with.
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "</s>")
@@ -237,16 +239,6 @@ def model_config(directory: str) -> dict:
     """The parsed ``config.json`` of a model directory ({} if there is none)."""
     return read_json(os.path.join(directory, "config.json"))
 
-
-def read_json(path: str) -> dict:
-    """A JSON file's object ({} if the file does not exist); ValueError naming a broken file."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from err
 
 
 def load_tokenizer(path: str):

@@ -241,7 +241,9 @@ def test_cli_generates_from_transformers_directories(tmp, capsys):
             "--max-new-tokens", "12", "--eos-token-id", "-1", "--no-progress"]
     assert cli.main(args) == 0
     target.generation_config.eos_token_id = None
-    ref = target.generate(torch.tensor([[5, 9, 13]]), max_new_tokens=12, do_sample=False)[0, 3:]
+    bos = target.config.bos_token_id  # the CLI puts the model's BOS in front of every prompt
+    prompt = ([bos] if bos is not None else []) + [5, 9, 13]
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
     assert capsys.readouterr().out.split() == [f"w{int(t)}" for t in ref]
     with pytest.raises(ValueError, match="no transformers Mamba2-family class"):
         hf.load(str(tmp))

@@ -8,10 +8,10 @@ model (built once, kept on the model), or ``None`` (``stree.patch`` then refuses
 from __future__ import annotations
 
 import importlib
-import json
 import os
 
 from stree.hf import kernels
+from stree.jsonfile import read_json
 
 kernels.install()
 
@@ -77,11 +77,7 @@ def load_tokenizer(directory: str):
 
 
 def _read_config(directory: str) -> dict | None:
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(os.path.join(directory, "config.json")) or None
 
 
 from stree.hf import native  # noqa: E402,F401  (registers transformers' own decoding for method "ar")

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from stree.jsonfile import read_json
+
 CONFIG_NAME = "config.json"
 MAMBA_CONFIG_NAME = "mamba_config.json"
 
@@ -319,5 +321,4 @@ def _read_json(directory, name: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{name} not found in {directory} (a MambaInLlama checkpoint needs "
                                 f"{CONFIG_NAME} and {MAMBA_CONFIG_NAME})")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
