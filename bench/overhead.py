@@ -176,6 +176,8 @@ def wall(fn, repeats: int, inner: int = 1) -> float:
 def measure(name: str, fn, setup, args, cuda: bool) -> dict:
     """One row: per-layer-type op counts, host syncs and wall time of ``fn`` (``setup`` before each)."""
     setup()
+    fn()  # warm: per-module constants and per-tree tables are built on first use, then reused
+    setup()
     with layer_scopes():
         _, scopes, total = profile_call(fn, cuda)
     setup()

@@ -161,6 +161,8 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
             verdict = verifier.verify(d, logits, sampling, generator)
         stats.target_calls += 1
         accepted = d.tree.path_tokens(verdict.path)[:, 1:].tolist()
+        # path nodes per row, read from the tokens already on the host (no further device sync)
+        counts = [0 if done[r] else 1 + sum(t >= 0 for t in toks) for r, toks in enumerate(accepted)]
         for r, (toks, nxt) in enumerate(zip(accepted, verdict.next_token.tolist())):
             if done[r]:
                 continue
@@ -170,11 +172,14 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
         if all(done):
             break
         # Finished rows stop advancing (their later trees are padding).
-        path = verdict.path.masked_fill(torch.tensor(done, device=verdict.path.device)[:, None], -1)
+        path = verdict.path
+        if any(done):
+            path = path.masked_fill(torch.tensor(done, device=path.device)[:, None], -1)
+            counts = [0 if done[r] else c for r, c in enumerate(counts)]
         with timed(stats, "replay_s", device):
-            side.commit(d.tree, path)
+            side.commit(d.tree, path, counts)
         with timed(stats, "draft_s", device):
-            drafting.commit(d.tree, path)
+            drafting.commit(d.tree, path, counts)
         roots = verdict.next_token
     if streamer is not None:
         streamer.end()
@@ -210,20 +215,22 @@ class _DraftSide:
         self.stats.draft_calls += self.drafter.depth
         return self.drafter.draft(self.model, self.cache, roots, sampling, generator)
 
-    def commit(self, tree: TokenTree, path: Tensor) -> None:
-        """Advance the draft along the target's accepted ``path`` (b, k), -1 padded."""
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
+        """Advance the draft along the target's accepted ``path`` (b, k), -1 padded, of
+        ``counts[r]`` nodes per row (host-side, so no device sync)."""
         if self.model is None:
             return
-        if int(path.max()) < self.drafter.num_forwarded:
-            # The draft's last tree_forward covered every path node (all layers above the deepest).
-            self.cache.commit(path[:, :self.drafter.depth])
+        if max(counts) <= self.drafter.depth:
+            # The path stops above the deepest layer: the draft's last tree_forward covered
+            # every path node (drafts are layered, all layers but the deepest forwarded).
+            self.cache.commit(path[:, :self.drafter.depth], counts)
             return
         # The path reaches the deepest layer, which the draft never ran: run it as a chain.
         chain = TokenTree.chain(tree.path_tokens(path).clamp(min=0))  # padding: never committed
         self.model.tree_forward(chain, self.cache)
         self.stats.draft_calls += 1
         steps = torch.arange(path.shape[1], device=path.device).expand_as(path)
-        self.cache.commit(torch.where(path >= 0, steps, -1))
+        self.cache.commit(torch.where(path >= 0, steps, -1), counts)
 
 
 # ------------------------------------------------------------------------------ target sides
@@ -240,8 +247,8 @@ class _PackedTarget:
     def logits(self, tree: TokenTree) -> Tensor:
         return self.model.tree_forward(tree, self.cache)
 
-    def commit(self, tree: TokenTree, path: Tensor) -> None:
-        self.cache.commit(path)
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
+        self.cache.commit(path, counts)
 
 
 class _UnrolledTarget:
@@ -287,7 +294,7 @@ class _UnrolledTarget:
         rows, pos = torch.tensor(src, device=logits.device).unbind(-1)
         return logits[rows, pos]
 
-    def commit(self, tree: TokenTree, path: Tensor) -> None:
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
         """Commit each copy's backlog; the accepted path becomes the next backlog."""
         U = self.leaves
         cpath = torch.full((len(self.backlog) * U, self.width), -1, dtype=torch.long)

@@ -99,11 +99,9 @@ class TreeDecodingMixin:
             state = cache.layers[idx]
             if mamba2.is_mamba2(mixer):
                 out, acts = mamba2.tree_forward(mixer, h, state, tree, impl=impl)
-            else:
-                if "mask" not in shared:  # one mask per tree, shared by every attention layer
-                    shared["mask"] = attention.tree_mask(tree, cache.lengths, span)
+            else:  # mask, positions and rotary tables: once per tree, shared by every layer
                 out, acts = attention.tree_forward(attention.view(mixer), h, state, tree,
-                                                   cache.lengths, span, shared["mask"])
+                                                   cache.lengths, span, shared)
             pending.layers[idx] = acts
             return out
 

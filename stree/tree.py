@@ -66,7 +66,7 @@ class TokenTree:
         self.max_depth = paths.shape[-1] - 1
         self.parents, self.depth, self.paths, self.mask = (
             t.to(device) for t in (parents, depth, paths, _ancestor_mask(paths, n)))
-        self._windows: dict[int, torch.Tensor] = {}
+        self._windows: dict = {}
         self._children: list[list[list[int]]] | None = None
 
     def with_tokens(self, tokens) -> "TokenTree":
@@ -130,6 +130,27 @@ class TokenTree:
             in_state = (width - 1) + depth - lag  # index into committed part when lag > depth
             self._windows[width] = torch.where(lag <= depth, in_tree, in_state)
         return self._windows[width]
+
+    def conv_gather_index(self, width: int, channels: int) -> torch.Tensor:
+        """``(b, n * width, channels)`` int64: :meth:`conv_window` shifted by one and expanded over
+        channels, to gather the taps from ``cat(conv_state^T, xbc)`` (the whole committed window,
+        so no slice is needed) in one ``gather``. Cached per (width, channels)."""
+        key = ("gather", width, channels)
+        if key not in self._windows:
+            b, n = self.tokens.shape
+            idx = (self.conv_window(width) + 1).reshape(b, n * width, 1)
+            self._windows[key] = idx.expand(b, n * width, channels)
+        return self._windows[key]
+
+    def scan_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mask_f (b, n, n) float32, bias (b, 1, n, n) float32)``: the ancestor mask as 0/1 for
+        the tree prefix sum ``A_tree = L @ a``, and as 0/-inf to add to exponents before ``exp``.
+        Built once per tree, shared by every Mamba2 layer."""
+        if "scan" not in self._windows:
+            mask_f = self.mask.float()
+            bias = torch.zeros_like(mask_f).masked_fill_(~self.mask, float("-inf"))
+            self._windows["scan"] = (mask_f, bias[:, None])
+        return self._windows["scan"]
 
     def children(self, row: int, node: int) -> list[int]:
         """Children of ``node`` in row ``row``, in index (= draft) order. Host-side helper."""

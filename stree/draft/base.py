@@ -81,7 +81,8 @@ class Drafter(ABC):
                 ``target_probs(draft_logits, sampling)``, which is also what ``q`` holds.
         Returns:
             ``Draft(tree (b, n), q (b, n, v), mode)``; ``q`` rows of the deepest layer are 0
-            (never forwarded, and leaves' rows are unused by every verifier).
+            (never forwarded, and leaves' rows are unused by every verifier). At greedy sampling
+            ``q`` may be None: no verifier reads it there, so no ``(b, n, v)`` buffer is made.
         """
 
 
@@ -96,11 +97,14 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
             draws without replacement from q; draft order = draw order).
     Returns:
         tokens ``(b, w, count)`` int64 in draft order, and q ``(b, w, v)`` float32 =
-        ``target_probs(logits, sampling)``, the distribution sampled children came from.
+        ``target_probs(logits, sampling)``, the distribution sampled children came from (None for
+        chosen children at greedy sampling, where no verifier reads q).
     """
-    q = target_probs(logits, sampling)
     if mode == "deterministic":
+        # at greedy sampling no verifier reads q (it is None): nothing to compute
+        q = None if sampling.is_greedy else target_probs(logits, sampling)
         return logits.topk(count, dim=-1).indices, q
+    q = target_probs(logits, sampling)
     if mode in ("iid", "chain"):
         return sample_from(q.unsqueeze(-2).expand(*q.shape[:-1], count, q.shape[-1]), generator), q
     if mode == "without_replacement":

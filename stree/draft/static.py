@@ -138,8 +138,9 @@ class StaticTreeDrafter(Drafter):
             (s, e), (cs, ce) = self._bounds[d], self._bounds[d + 1]
             logits = model.tree_forward(self.tree(tokens[:, :e]), cache)[:, s:e]
             picks, probs = pick_children(logits, self._fanout[d], mode, sampling, generator)
-            if q is None:
-                q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
-            q[:, s:e] = probs
+            if not sampling.is_greedy:  # at greedy no verifier reads q: no (b, n, v) buffer
+                if q is None:
+                    q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
+                q[:, s:e] = probs
             tokens[:, cs:ce] = picks[:, parent_col[cs:ce], rank[cs:ce]]
         return Draft(self.tree(tokens), q, mode)

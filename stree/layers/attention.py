@@ -100,8 +100,10 @@ def tree_mask(tree, lengths: torch.Tensor, span: int) -> torch.Tensor:
 def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
     k = cache.k[:, :, :span]
     v = cache.v[:, :, :span]
+    q = q.transpose(1, 2)
     # enable_gqa: query head h reads K/V head h // (hq / hkv) without materialising repeated K/V
-    out = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask,
+    out = F.scaled_dot_product_attention(q if q.dtype == k.dtype else q.to(k.dtype), k, v,
+                                         attn_mask=mask,
                                          scale=scale_of(a),
                                          enable_gqa=a.num_heads != a.num_key_value_heads)
     return out.transpose(1, 2).flatten(2)  # (b, l, hq * d)
@@ -114,17 +116,30 @@ def _write(cache: AttentionLayerCache, k, v, pos):
     cache.v.scatter_(2, idx, v.transpose(1, 2).to(cache.v.dtype))
 
 
-def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, mask):
+def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, shared: dict):
     """Attention output ``(b, n, d_model)`` for the tree nodes ``h (b, n, d_model)``.
 
-    ``span`` = max committed length + n (keys read), ``mask`` from :func:`tree_mask`.
+    ``span`` = max committed length + n (keys read). ``shared`` holds what every attention layer
+    of one tree forward reuses, built by the first: the mask (:func:`tree_mask`), the rotary
+    positions ``lengths + depth``, the scratch slots ``lengths + i`` and the rotation tables.
     """
+    if "mask" not in shared:
+        rows = torch.arange(tree.batch_size, device=h.device)[:, None]
+        shared.update(mask=tree_mask(tree, lengths, span), positions=lengths[:, None] + tree.depth,
+                      slots=(rows, lengths[:, None] + torch.arange(tree.num_nodes, device=h.device)))
     q, k, v = a.project_qkv(h)
-    pos = lengths[:, None] + tree.depth
-    q, k = a.apply_rotary(q, k, pos)
-    n = tree.num_nodes
-    _write(cache, k, v, lengths[:, None] + torch.arange(n, device=h.device))
-    return a.o_proj(_attend(a, q, cache, span, mask)), AttentionActivations()
+    if hasattr(a, "rotary_tables"):
+        key = a.rotary_key
+        if key not in shared:
+            shared[key] = a.rotary_tables(shared["positions"])
+        q, k = a.rotate(q, k, shared[key])
+    else:
+        q, k = a.apply_rotary(q, k, shared["positions"])
+    rows, slots = shared["slots"]
+    # (b, n, hkv, d) written at [b, :, slot]: advanced indices first, so no transpose is needed
+    cache.k[rows, :, slots] = k if k.dtype == cache.k.dtype else k.to(cache.k.dtype)
+    cache.v[rows, :, slots] = v if v.dtype == cache.v.dtype else v.to(cache.v.dtype)
+    return a.o_proj(_attend(a, q, cache, span, shared["mask"])), AttentionActivations()
 
 
 def prefill(a, h, cache: AttentionLayerCache, start: int):
