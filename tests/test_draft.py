@@ -6,7 +6,7 @@ import torch
 from stree.draft import (STATIC_TREES, BeamTreeDrafter, ChainDrafter, StaticTreeDrafter,
                          parse_drafter)
 from stree.tree import TokenTree
-from stree.verify import SamplingConfig, target_probs
+from stree.verify import SamplingConfig
 from tests.fakes import FakeLM
 
 GREEDY = SamplingConfig()

@@ -263,8 +263,11 @@ def _tree_scan_ref(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit, i
     xg = _f32(x).view(b, n, g, r, p).permute(0, 2, 3, 1, 4)  # (b, g, r, n, p)
     y = torch.matmul(m, xg)
     if initial_states is not None:  # + exp(A_tree[t]) C[t] . h0
-        h0 = _f32(initial_states).view(b, g, r, p, -1)
-        y.addcmul_(torch.matmul(Cg[:, :, None], h0.transpose(-1, -2)), at.exp()[..., None])
+        # one (n, s) @ (s, r * p) product per group: a broadcast batched matmul over r would
+        # run as r separate products
+        h0 = _f32(initial_states).view(b, g, r, p, -1).permute(0, 1, 4, 2, 3).reshape(b, g, -1, r * p)
+        init = torch.matmul(Cg, h0).view(b, g, n, r, p).transpose(2, 3)  # (b, g, r, n, p)
+        y.addcmul_(init, at.exp()[..., None])
     if D is not None:
         y.addcmul_(xg, _f32(D).view(g, r, 1, -1))
     y = y.permute(0, 3, 1, 2, 4).reshape(b, n, h, p)
