@@ -5,7 +5,8 @@ levels) and one verify (target ``tree_forward`` + verifier)) this reports:
 
 * **ops per layer**, by layer type (``Mamba2``, ``Mamba2GQA``, ``MHA``, ``LlamaAttention``): the aten
   ops dispatched from Python inside that layer's mixer (``ops``: top-level aten calls, i.e. what the
-  library issues; ``dispatches``: every aten event including the ones aten ops call internally).
+  library issues; ``compute``: those of them that are not views, i.e. what launches a kernel on a
+  GPU; ``dispatches``: every aten event including the ones aten ops call internally).
   Per-layer scopes come from wrapping stree's per-layer entry points in ``record_function`` here
   (nothing in the library is instrumented); ``rest`` is everything outside the mixers (embedding,
   norms, MLPs, LM head, per-tree tables, validation), per call. On CUDA ``kernels`` counts the
@@ -46,6 +47,12 @@ for _p in (str(_HERE.parent), str(_HERE)):
 from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
 
 SCOPE = "stree::"
+# Ops that only make a new view of existing storage: host work, but no kernel on a GPU.
+VIEW_OPS = {f"aten::{n}" for n in (
+    "view", "reshape", "_reshape_alias", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "t",
+    "permute", "expand", "expand_as", "slice", "select", "split", "split_with_sizes", "chunk",
+    "unflatten", "flatten", "narrow", "as_strided", "alias", "detach", "unbind", "view_as",
+    "movedim", "diagonal", "unfold", "lift_fresh")}
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -126,7 +133,7 @@ def profile_call(fn, cuda: bool):
             top_total += 1
         if not e.name.startswith(SCOPE) or _in_scope(e):
             continue
-        ops = dispatches = kernels = 0
+        ops = dispatches = kernels = compute = 0
         stack = list(e.cpu_children)
         while stack:
             c = stack.pop()
@@ -135,9 +142,12 @@ def profile_call(fn, cuda: bool):
                 kernels += len(getattr(c, "kernels", []) or [])
                 if _aten_parent(c) is None:
                     ops += 1
+                    compute += c.name not in VIEW_OPS
             stack.extend(c.cpu_children)
-        agg = scopes.setdefault(e.name[len(SCOPE):], {"calls": 0, "ops": 0, "dispatches": 0, "kernels": 0})
+        agg = scopes.setdefault(e.name[len(SCOPE):], {"calls": 0, "ops": 0, "compute": 0,
+                                                      "dispatches": 0, "kernels": 0})
         agg["calls"] += 1
+        agg["compute"] += compute
         agg["ops"] += ops
         agg["dispatches"] += dispatches
         agg["kernels"] += kernels
@@ -193,6 +203,7 @@ def measure(name: str, fn, setup, args, cuda: bool) -> dict:
             torch.cuda.synchronize()
         samples.append(time.perf_counter() - t0)
     per_layer = {k: {"layers": v["calls"], "ops": v["ops"] // max(v["calls"], 1),
+                     "compute": v["compute"] // max(v["calls"], 1),
                      "dispatches": v["dispatches"] // max(v["calls"], 1),
                      "kernels": v["kernels"] // max(v["calls"], 1)} for k, v in sorted(scopes.items())}
     in_layers = sum(v["ops"] for v in scopes.values())
@@ -336,15 +347,15 @@ def layer_models(device, tiny: bool):
 
 # ---------------------------------------------------------------------------------- report
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'model':<28} {'call':<24} {'layer type':<15} {'ops/layer':>9} {'disp/layer':>10} "
+    print(f"{'model':<28} {'call':<24} {'layer type':<15} {'ops/layer':>9} {'compute':>7} {'disp/layer':>10} "
           f"{'kernels':>7} {'rest ops':>8} {'syncs':>6} {'wall ms':>8}")
     for r in rows:
-        types = r["per_layer"] or {"-": {"ops": "", "dispatches": "", "kernels": ""}}
+        types = r["per_layer"] or {"-": {"ops": "", "compute": "", "dispatches": "", "kernels": ""}}
         for j, (t, v) in enumerate(types.items()):
             tail = (f"{r.get('ops_rest', ''):>8} {r['host_syncs']:>6.4g} {r.get('wall_ms', float('nan')):>8.2f}"
                     if j == 0 else "")
             print(f"{r['model'] if j == 0 else '':<28} {r['call'] if j == 0 else '':<24} {t:<15} "
-                  f"{v['ops']:>9} {v['dispatches']:>10} {v['kernels']:>7} {tail}")
+                  f"{v['ops']:>9} {v['compute']:>7} {v['dispatches']:>10} {v['kernels']:>7} {tail}")
 
 
 def parse_args(argv=None):

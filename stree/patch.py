@@ -92,14 +92,16 @@ class TreeDecodingMixin:
         cache.check_room(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
         span = max(cache.seqlens) + tree.num_nodes
-        shared = {}
+        # mask, positions and slots of attention layers: once per tree, shared by every layer
+        adapters = [attention.view(m) for _, m in _stree_mixers(self) if not mamba2.is_mamba2(m)]
+        shared = attention.tree_tables(tree, cache.lengths, span, adapters) if adapters else {}
         pending = PendingTree(tree)
 
         def run(idx, mixer, h):
             state = cache.layers[idx]
             if mamba2.is_mamba2(mixer):
                 out, acts = mamba2.tree_forward(mixer, h, state, tree, impl=impl)
-            else:  # mask, positions and rotary tables: once per tree, shared by every layer
+            else:
                 out, acts = attention.tree_forward(attention.view(mixer), h, state, tree,
                                                    cache.lengths, span, shared)
             pending.layers[idx] = acts

@@ -37,16 +37,13 @@ class LlamaAttention(nn.Module):
         return rotate(q, tables), rotate(k, tables)
 
     def rotary_tables(self, positions: torch.Tensor):
-        """Rotation tables for ``positions (b, l)``; the same for every layer with equal
-        ``rotary_key`` (tree decoding builds them once per tree)."""
+        """``(cos, signed sin)`` for ``positions (b, l)`` (see ``rotary.signed_tables``); the same
+        for every layer with an equal ``rotary_key``, so tree decoding builds them once per tree."""
         return signed_tables(*self.rotary(positions))
 
     @property
     def rotary_key(self):
         return ("llama", self.head_dim, self.rotary.theta, repr(self.rotary.scaling))
-
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, tables):
-        return rotate(q, tables), rotate(k, tables)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                causal: bool = False) -> torch.Tensor:

@@ -116,23 +116,43 @@ def _write(cache: AttentionLayerCache, k, v, pos):
     cache.v.scatter_(2, idx, v.transpose(1, 2).to(cache.v.dtype))
 
 
+def tree_tables(tree, lengths: torch.Tensor, span: int, adapters) -> dict:
+    """What every attention layer of one tree forward reuses, built once per tree: the mask
+    (:func:`tree_mask`), rotary positions ``lengths + depth``, scratch slots ``lengths + i`` (with
+    the row index for advanced indexing) and one set of rotation matrices per rotary
+    configuration among ``adapters`` (the model's attention adapters)."""
+    rows = torch.arange(tree.batch_size, device=lengths.device)[:, None]
+    positions = lengths[:, None] + tree.depth
+    tables = dict(mask=tree_mask(tree, lengths, span), positions=positions,
+                  slots=(rows, lengths[:, None] + torch.arange(tree.num_nodes, device=lengths.device)))
+    for a in adapters:
+        if hasattr(a, "rotary_tables") and a.rotary_key not in tables:
+            tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))
+    return tables
+
+
+def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``(b, l, d, d)`` with ``x @ R == x * cos + roll(x, d/2) * sin`` (rotate-half RoPE; ``sin``
+    with its first half negated, both ``(b, l, 1, d)``): a tree's nodes are few, so one matmul
+    per tensor replaces three elementwise ops in every layer."""
+    d = cos.shape[-1]
+    return torch.diag_embed(cos[:, :, 0]) + torch.diag_embed(sin[:, :, 0]).roll(d // 2, dims=-2)
+
+
+def _rotate_by(x, rot):
+    """``x (b, l, heads, d) @ rot (b, l, d, d)`` in fp32, returned in x's dtype."""
+    out = torch.matmul(x if x.dtype == torch.float32 else x.float(), rot)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
 def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, shared: dict):
     """Attention output ``(b, n, d_model)`` for the tree nodes ``h (b, n, d_model)``.
 
-    ``span`` = max committed length + n (keys read). ``shared`` holds what every attention layer
-    of one tree forward reuses, built by the first: the mask (:func:`tree_mask`), the rotary
-    positions ``lengths + depth``, the scratch slots ``lengths + i`` and the rotation tables.
+    ``span`` = max committed length + n (keys read); ``shared`` = :func:`tree_tables` of the tree.
     """
-    if "mask" not in shared:
-        rows = torch.arange(tree.batch_size, device=h.device)[:, None]
-        shared.update(mask=tree_mask(tree, lengths, span), positions=lengths[:, None] + tree.depth,
-                      slots=(rows, lengths[:, None] + torch.arange(tree.num_nodes, device=h.device)))
     q, k, v = a.project_qkv(h)
     if hasattr(a, "rotary_tables"):
-        key = a.rotary_key
-        if key not in shared:
-            shared[key] = a.rotary_tables(shared["positions"])
-        q, k = a.rotate(q, k, shared[key])
+        q, k = _rotate_by(q, shared[a.rotary_key]), _rotate_by(k, shared[a.rotary_key])
     else:
         q, k = a.apply_rotary(q, k, shared["positions"])
     rows, slots = shared["slots"]

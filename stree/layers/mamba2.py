@@ -87,16 +87,30 @@ def constants(m) -> dict:
     scan's layout, the conv weight as (c, w)), rebuilt only when a parameter is modified."""
     # (inference tensors keep no version counter: their storage is the key)
     key = tuple((t.data_ptr(), 0 if t.is_inference() else t._version)
-                for t in (m.A_log, m.D, m.conv1d.weight))
+                for t in (m.A_log, m.D, m.conv1d.weight, m.dt_bias))
     cached = getattr(m, "_stree_constants", None)
     if cached is None or cached[0] != key:
         parts = _Parts(m)
         cached = (key, dict(parts=parts, A=-torch.exp(m.A_log.detach().float()),
+                            in_bias=_in_proj_bias(m),
                             D=parts.D.detach(), conv_weight=m.conv1d.weight.detach()[:, 0],
                             conv_bias=None if m.conv1d.bias is None else m.conv1d.bias.detach(),
                             dt_limit=tuple(m.dt_limit)))
         m._stree_constants = cached
     return cached[1]
+
+
+def _in_proj_bias(m):
+    """``in_proj``'s bias with ``dt_bias`` added in the dt slice (the last ``nheads`` outputs), so
+    the projection adds it (one op less per layer); None where that would change the math (an
+    fp32 dt from a lower-precision projection: dt + dt_bias must be summed in fp32)."""
+    w = m.in_proj.weight
+    if w.dtype != torch.float32 or m.dt_bias.dtype != torch.float32:
+        return None
+    bias = (torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if m.in_proj.bias is None
+            else m.in_proj.bias.detach().clone())
+    bias[-m.dt_bias.shape[0]:] += m.dt_bias.detach()
+    return bias
 
 
 def is_mamba2(module) -> bool:
@@ -121,14 +135,17 @@ def tree_forward(m, u, state: MambaLayerCache, tree, impl: str = "auto"):
     """
     k = constants(m)
     parts = k["parts"]
-    z, xbc, dt, mlp_in = parts.split(m.in_proj(u))
+    fold = k["in_bias"] is not None  # dt_bias added by the projection
+    proj = F.linear(u, m.in_proj.weight, k["in_bias"]) if fold else m.in_proj(u)
+    z, xbc, dt, mlp_in = parts.split(proj)
     w, c = k["conv_weight"].shape[1], xbc.shape[-1]
     conv_out = tree_conv(xbc, state.conv_state, k["conv_weight"], k["conv_bias"],
                          tree.conv_window(w), activation="silu", impl=impl,
                          gather_index=None if xbc.is_cuda else tree.conv_gather_index(w, c))
     x, B, C = parts.split_xbc(conv_out)
     z_scan = rearrange(z, "b l (h p) -> b l h p", p=m.headdim) if parts.z_in_scan else None
-    y, dt_proc = tree_scan(x, dt, k["A"], B, C, tree.mask, D=k["D"], z=z_scan, dt_bias=m.dt_bias,
+    y, dt_proc = tree_scan(x, dt, k["A"], B, C, tree.mask, D=k["D"], z=z_scan,
+                           dt_bias=None if fold else m.dt_bias,
                            dt_softplus=True, dt_limit=k["dt_limit"],
                            initial_states=state.ssm_state, impl=impl,
                            tables=None if x.is_cuda else tree.scan_tables())
