@@ -254,6 +254,10 @@ def model_rows(label: str, model, args, device, cuda: bool, prompt_len: int, voc
         rows.append(measure(f"draft_fig4a_{drafter.depth}_levels",
                             lambda: drafter.draft(draft, dcache, roots, sampling),
                             lambda: None, args, cuda))
+        # the same draft with every level re-running the whole partial tree (tree_forward only)
+        rows.append(measure(f"draft_fig4a_{drafter.depth}_levels_rerun",
+                            lambda: drafter.draft(_TreeForwardOnly(draft), dcache, roots, sampling),
+                            lambda: None, args, cuda))
         d = drafter.draft(draft, dcache, roots, sampling)
         verifier = get_verifier("greedy")
 
@@ -263,6 +267,14 @@ def model_rows(label: str, model, args, device, cuda: bool, prompt_len: int, voc
     for r in rows:
         r["model"] = label
     return rows
+
+
+class _TreeForwardOnly:
+    """A draft model seen without ``level_forward``: drafters then re-run the whole partial tree
+    at every level (the way before level-by-level drafting), for a side-by-side comparison."""
+
+    def __init__(self, model):
+        self.tree_forward = model.tree_forward
 
 
 def _snapshot(cache):

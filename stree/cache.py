@@ -114,6 +114,32 @@ class PendingTree:
     layers: dict = field(default_factory=dict)  # layer index -> *Activations
 
 
+@dataclass
+class NodeStates:
+    """Materialised state of every forwarded node of one Mamba2 layer (level-by-level drafting).
+
+    conv, ssm: ``(b, capacity + 1, ...)`` conv / SSM state after each node; slot 0 holds the
+    committed state (the root's parent), node i sits in slot i + 1.
+    """
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        # the committed state becomes the state after the path's last node (slot 0: empty path)
+        rows, last = shared["rows"], shared["last_slot"]
+        layer.conv_state.copy_(self.conv[rows, last[:, None]][:, 0])
+        layer.ssm_state.copy_(self.ssm[rows, last[:, None]][:, 0])
+
+
+@dataclass
+class LevelPending(PendingTree):
+    """Pending state of a tree forwarded level by level (``level_forward``): per Mamba2 layer the
+    :class:`NodeStates` of every forwarded node, per attention layer the K/V scratch as usual.
+    ``forwarded_depth``: depth of the deepest forwarded node (host-side)."""
+    forwarded_depth: int = -1
+
+
 class TreeCache:
     """All inference state of one patched model for a batch of ``b`` sequences.
 
@@ -182,7 +208,13 @@ class TreeCache:
             if counts is not None and list(counts) != checked:
                 raise ValueError(f"counts {list(counts)} do not match the path lengths {checked}")
             counts = checked
+        if isinstance(self.pending, LevelPending) and max(counts) - 1 > self.pending.forwarded_depth:
+            raise ValueError(f"the path reaches depth {max(counts) - 1} but only nodes down to depth "
+                             f"{self.pending.forwarded_depth} were forwarded; level_forward them first")
         shared = {"rows": torch.arange(self.batch_size, device=path.device)[:, None]}
+        if isinstance(self.pending, LevelPending):
+            last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
+            shared["last_slot"] = path.gather(1, last[:, None])[:, 0] + 1  # -1 (empty) -> slot 0
         for idx, acts in self.pending.layers.items():
             acts.commit(self.layers[idx], path, self.lengths, shared)
         self.advance(counts)

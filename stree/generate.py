@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
+from stree.draft.base import commit_draft
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
 from stree.verify import SamplingConfig, default_verifier, get_verifier, sample_from, target_probs
@@ -220,12 +221,10 @@ class _DraftSide:
         ``counts[r]`` nodes per row (host-side, so no device sync)."""
         if self.model is None:
             return
-        if max(counts) <= self.drafter.depth:
-            # The path stops above the deepest layer: the draft's last tree_forward covered
-            # every path node (drafts are layered, all layers but the deepest forwarded).
-            self.cache.commit(path[:, :self.drafter.depth], counts)
+        if commit_draft(self.model, self.cache, tree, path, counts, self.drafter.depth):
             return
-        # The path reaches the deepest layer, which the draft never ran: run it as a chain.
+        # A tree_forward-only draft model whose path reaches the never-run deepest layer: run
+        # the path as a chain.
         chain = TokenTree.chain(tree.path_tokens(path).clamp(min=0))  # padding: never committed
         self.model.tree_forward(chain, self.cache)
         self.stats.draft_calls += 1

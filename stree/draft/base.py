@@ -115,3 +115,42 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
         return (q / e.clamp_min(torch.finfo(q.dtype).tiny)).topk(count, dim=-1).indices, q
     raise ValueError(f"unknown draft mode {mode!r}")
 
+
+
+# ------------------------------------------------------------------ the per-level mechanism
+def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Tensor:
+    """Draft logits ``(b, end - start, v)`` of the nodes ``start .. end - 1`` of ``tree`` (the
+    tree drafted so far), whose parents were forwarded by earlier calls of this draft.
+
+    With a model that has ``level_forward`` (every patched model) each node runs once, from its
+    parent's materialised state; other models (test fakes) run ``tree_forward`` over the whole
+    partial tree. ``capacity``: the whole draft's node count. Every drafter calls this.
+    """
+    if hasattr(model, "level_forward"):
+        b = tree.batch_size
+        nodes = torch.arange(start, end, device=tree.device).expand(b, -1)
+        return model.level_forward(tree, cache, nodes, first=start == 0, capacity=capacity)
+    return model.tree_forward(tree, cache)[:, start:end]
+
+
+def commit_draft(model, cache, tree, path: Tensor, counts: list[int], depth: int) -> bool:
+    """Advance the draft cache along the target's accepted ``path (b, k)`` of ``counts[r]`` nodes
+    per row (host ints; no device sync). ``depth``: the drafter's depth (its deepest layer was
+    never forwarded). Returns False when the caller must run the path as a chain instead (a
+    ``tree_forward`` model whose last call did not cover the path).
+
+    After ``forward_level``: nodes of the deepest level that end an accepted path run once, one
+    node per row from its parent's state, then the committed state becomes the state of each
+    row's last path node (no replay, no chain).
+    """
+    if not hasattr(model, "level_forward"):
+        if max(counts) <= depth:  # layered: the path stops above the never-forwarded layer
+            cache.commit(path[:, :depth], counts)
+            return True
+        return False
+    if max(counts) - 1 > cache.pending.forwarded_depth:
+        last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
+        nodes = path.gather(1, last[:, None]).clamp(min=0)  # rows ending higher redo their node
+        model.level_forward(tree, cache, nodes)
+    cache.commit(path, counts)
+    return True

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from stree.draft.base import SAMPLED_MODES, Drafter, pick_children
+from stree.draft.base import SAMPLED_MODES, Drafter, forward_level, pick_children
 from stree.tree import TokenTree, parents_from_widths
 from stree.verify import Draft, SamplingConfig
 
@@ -136,7 +136,7 @@ class StaticTreeDrafter(Drafter):
         q = None
         for d in range(self.depth):
             (s, e), (cs, ce) = self._bounds[d], self._bounds[d + 1]
-            logits = model.tree_forward(self.tree(tokens[:, :e]), cache)[:, s:e]
+            logits = forward_level(model, cache, self.tree(tokens[:, :e]), s, e, n)
             picks, probs = pick_children(logits, self._fanout[d], mode, sampling, generator)
             if not sampling.is_greedy:  # at greedy no verifier reads q: no (b, n, v) buffer
                 if q is None:

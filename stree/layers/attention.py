@@ -116,15 +116,23 @@ def _write(cache: AttentionLayerCache, k, v, pos):
     cache.v.scatter_(2, idx, v.transpose(1, 2).to(cache.v.dtype))
 
 
-def tree_tables(tree, lengths: torch.Tensor, span: int, adapters) -> dict:
+def tree_tables(tree, lengths: torch.Tensor, span: int, adapters, nodes=None) -> dict:
     """What every attention layer of one tree forward reuses, built once per tree: the mask
     (:func:`tree_mask`), rotary positions ``lengths + depth``, scratch slots ``lengths + i`` (with
     the row index for advanced indexing) and one set of rotation matrices per rotary
-    configuration among ``adapters`` (the model's attention adapters)."""
+    configuration among ``adapters`` (the model's attention adapters).
+
+    ``nodes (b, w)``: only these nodes are queried (level-by-level drafting): their mask rows,
+    positions and slots; the K/V of their ancestors must already sit in the scratch."""
     rows = torch.arange(tree.batch_size, device=lengths.device)[:, None]
-    positions = lengths[:, None] + tree.depth
-    tables = dict(mask=tree_mask(tree, lengths, span), positions=positions,
-                  slots=(rows, lengths[:, None] + torch.arange(tree.num_nodes, device=lengths.device)))
+    mask, depth = tree_mask(tree, lengths, span), tree.depth
+    if nodes is None:
+        nodes = torch.arange(tree.num_nodes, device=lengths.device)[None]
+    else:
+        mask = mask.gather(2, nodes[:, None, :, None].expand(-1, 1, -1, span))
+        depth = depth.gather(1, nodes)
+    positions = lengths[:, None] + depth
+    tables = dict(mask=mask, positions=positions, slots=(rows, lengths[:, None] + nodes))
     for a in adapters:
         if hasattr(a, "rotary_tables") and a.rotary_key not in tables:
             tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))

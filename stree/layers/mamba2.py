@@ -171,3 +171,18 @@ def prefill(m, u, state: MambaLayerCache):
                           initial_states=state.ssm_state, chunk_size=getattr(m, "chunk_size", 256))
     state.ssm_state.copy_(final)
     return parts.finish(y, z, mlp_in)
+
+
+def node_state(parent: MambaLayerCache, acts: MambaActivations):
+    """``(conv (B, c, w), ssm (B, h, p, s))``: the state after the single node of a one-node
+    tree forward from ``parent`` (its ``acts``): the recurrence ``h' = exp(dt A) h + dt x B^T``
+    and the conv window shifted by the node's raw input. New tensors; ``parent`` is unchanged."""
+    ssm = parent.ssm_state
+    Bn, h, p, s = ssm.shape
+    g = acts.B.shape[2]
+    dt = acts.dt[:, 0]  # (B, h) processed, fp32
+    dtx = (dt[..., None] * acts.x[:, 0]).view(Bn, g, h // g, p, 1)
+    upd = (dtx * acts.B[:, 0, :, None, None, :]).view(Bn, h, p, s)
+    new_ssm = torch.addcmul(upd, ssm, torch.exp(dt * acts.A)[..., None, None])
+    conv = torch.cat([parent.conv_state[:, :, 1:], acts.xbc[:, 0, :, None]], dim=2)
+    return conv, (new_ssm if new_ssm.dtype == ssm.dtype else new_ssm.to(ssm.dtype))
