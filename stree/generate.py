@@ -161,10 +161,13 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
             logits = side.logits(d.tree)
             verdict = verifier.verify(d, logits, sampling, generator)
         stats.target_calls += 1
-        accepted = d.tree.path_tokens(verdict.path)[:, 1:].tolist()
-        # path nodes per row, read from the tokens already on the host (no further device sync)
+        # the step's one device read: accepted tokens and the next token of every row
+        read = torch.cat([d.tree.path_tokens(verdict.path)[:, 1:], verdict.next_token[:, None]],
+                         dim=1).tolist()
+        accepted, next_tokens = [r[:-1] for r in read], [r[-1] for r in read]
+        # path nodes per row, from the tokens already on the host (no further device sync)
         counts = [0 if done[r] else 1 + sum(t >= 0 for t in toks) for r, toks in enumerate(accepted)]
-        for r, (toks, nxt) in enumerate(zip(accepted, verdict.next_token.tolist())):
+        for r, (toks, nxt) in enumerate(zip(accepted, next_tokens)):
             if done[r]:
                 continue
             before = len(new[r])

@@ -87,7 +87,7 @@ class TreeDecodingMixin:
         if tree.batch_size != cache.batch_size:
             raise ValueError(f"tree batch {tree.batch_size} != cache batch {cache.batch_size}")
         vocab = _vocab_size(self)
-        if tree.max_token >= vocab:  # host-side: no device sync in the verify step
+        if tree.max_token is not None and tree.max_token >= vocab:  # host-side: no device sync
             raise ValueError(f"tree token {tree.max_token} out of range for vocab size {vocab}")
         cache.check_room(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)

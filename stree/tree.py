@@ -32,7 +32,8 @@ class TokenTree:
         mask: ``(b, n, n)`` bool, ``mask[b, i, j]`` iff node j is on the root-to-i path (i included).
         paths: ``(b, n, max_depth + 1)`` int64, root-to-node node indices, -1 padded at the end.
         max_depth: int, deepest node's depth over the batch.
-        max_token: int, largest token id (host-side).
+        max_token: int, largest token id (host-side; None for ``with_tokens(..., trusted=True)``).
+        max_children: int, most children of any node (host-side).
     """
 
     def __init__(self, tokens, parents, *, vocab_size: int | None = None,
@@ -62,6 +63,9 @@ class TokenTree:
         self.max_token = _validate_tokens(tokens, vocab_size)
 
         self.tokens = tokens.contiguous()
+        # host-side, for verifiers' children tables (no device read per step)
+        self.max_children = int(torch.bincount(parents[:, 1:].flatten() + 1, minlength=1).max()) \
+            if n > 1 else 0
         depth, paths = _depth_and_paths(parents)
         self.max_depth = paths.shape[-1] - 1
         self.parents, self.depth, self.paths, self.mask = (
@@ -69,9 +73,12 @@ class TokenTree:
         self._windows: dict = {}
         self._children: list[list[list[int]]] | None = None
 
-    def with_tokens(self, tokens) -> "TokenTree":
+    def with_tokens(self, tokens, *, trusted: bool = False) -> "TokenTree":
         """A tree of the same shape with other tokens, sharing every table (no re-validation of
-        the structure): how a drafter reuses one template step after step."""
+        the structure): how a drafter reuses one template step after step.
+
+        ``trusted``: the tokens come from a model's own choice over its vocabulary (a drafter),
+        so their range is not read back from the device (``max_token`` is then None)."""
         tokens = _as_long_tensor(tokens, "tokens")
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
@@ -80,7 +87,7 @@ class TokenTree:
                              f"{tuple(self.tokens.shape)}")
         other = object.__new__(TokenTree)
         other.__dict__.update(self.__dict__)
-        other.max_token = _validate_tokens(tokens, None)
+        other.max_token = None if trusted else _validate_tokens(tokens, None)
         other.tokens = tokens.to(self.device).contiguous()
         return other
 

@@ -77,12 +77,13 @@ class StaticTreeDrafter(Drafter):
         object.__setattr__(self, "_templates", {})
 
     def tree(self, tokens: Tensor) -> TokenTree:
-        """``tokens (b, e)`` placed on the first ``e`` nodes of this tree, tables reused."""
+        """``tokens (b, e)`` placed on the first ``e`` nodes of this tree, tables reused (tokens
+        drafted by the model: trusted, not read back)."""
         b, e = tokens.shape
         key = (b, e, tokens.device)
         if key not in self._templates:
             self._templates[key] = TokenTree(tokens, self.parents[:e])
-        return self._templates[key].with_tokens(tokens)
+        return self._templates[key].with_tokens(tokens, trusted=True)
 
     @classmethod
     def from_widths(cls, widths: Sequence[int], mode: str | None = None,
