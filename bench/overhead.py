@@ -309,11 +309,13 @@ def step_syncs(target, draft, args, device, vocab: int) -> dict:
 
 # ---------------------------------------------------------------------------------- models
 def load_pair(directory: str, device):
+    """The shipped pair as ``stree demo`` runs it: fp32 on CPU, bf16 on CUDA."""
     import stree
     from stree.hybrid import MambaInLlamaForCausalLM
-    t = stree.patch(MambaInLlamaForCausalLM.from_pretrained(Path(directory) / "target", device=device))
-    d = stree.patch(MambaInLlamaForCausalLM.from_pretrained(Path(directory) / "draft", device=device))
-    return t, d
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return tuple(stree.patch(MambaInLlamaForCausalLM.from_pretrained(Path(directory) / name,
+                                                                     dtype=dtype, device=device))
+                 for name in ("target", "draft"))
 
 
 def tiny_pair(device):
