@@ -64,7 +64,8 @@ class TokenTree:
 
         self.tokens = tokens.contiguous()
         # host-side, for verifiers' children tables (no device read per step)
-        self.max_children = int(torch.bincount(parents[:, 1:].flatten() + 1, minlength=1).max()) \
+        row_offset = torch.arange(b)[:, None] * n  # children counted per (row, parent)
+        self.max_children = int(torch.bincount((parents[:, 1:] + row_offset).flatten()).max()) \
             if n > 1 else 0
         depth, paths = _depth_and_paths(parents)
         self.max_depth = paths.shape[-1] - 1

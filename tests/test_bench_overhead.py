@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -25,4 +27,4 @@ def test_overhead_tiny(tmp_path):
     assert all(v["ops"] > 0 and v["dispatches"] >= v["ops"] for r in rows for v in r["per_layer"].values())
     assert all(r["wall_ms"] > 0 for r in rows if "wall_ms" in r)
     step = next(r for r in rows if r["call"] == "generate_step")
-    assert step["host_syncs"] == sum(step["sync_sites"].values())
+    assert step["host_syncs"] == pytest.approx(sum(step["sync_sites"].values()))
