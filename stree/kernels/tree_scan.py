@@ -254,7 +254,10 @@ def _tree_scan_ref(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit, i
     r = h // g
     mask_f, bias = tables if tables is not None else _scan_tables(mask)
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, n, h) fp32
-    at = torch.matmul(mask_f, dt * _f32(A)).transpose(1, 2).unflatten(1, (g, r))  # (b, g, r, n)
+    # A_tree in (b, h, n) order: computed as (dt A)^T @ L^T so that it is contiguous and every
+    # tensor derived from it keeps a BLAS-friendly layout (a permuted one makes CPU bmm copy
+    # matrix by matrix)
+    at = torch.matmul((dt * _f32(A)).transpose(1, 2), mask_f.transpose(1, 2)).view(b, g, r, n)
     # decay[t, s] = exp(A_tree[t] - A_tree[s]) on ancestors, 0 elsewhere (-inf added before exp)
     decay = (at[..., :, None] - at[..., None, :]).add_(bias[:, None]).exp_()  # (b, g, r, n, n)
     Cg = _f32(C).transpose(1, 2)  # (b, g, n, s)
