@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from stree.kernels import conv_replay, ssm_replay
+from stree.kernels._common import debug_checks
+from stree.kernels.replay import conv_replay_index, path_tables
 
 
 @dataclass
@@ -77,32 +79,65 @@ class MambaActivations:
     B: torch.Tensor
     A: torch.Tensor
 
-    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor) -> None:
-        ssm_replay(layer.ssm_state, self.x, self.dt, self.A, self.B, path)
-        conv_replay(layer.conv_state, self.xbc, path)
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        if "path" not in shared:  # gather tables of the path, built once per commit
+            shared["path"] = path_tables(path)
+        w = layer.conv_state.shape[2]
+        if ("conv", w) not in shared:
+            shared[("conv", w)] = conv_replay_index(path, w)
+        ssm_replay(layer.ssm_state, self.x, self.dt, self.A, self.B, path, tables=shared["path"])
+        conv_replay(layer.conv_state, self.xbc, path, index=shared[("conv", w)])
 
 
 @dataclass
 class AttentionActivations:
     """Marker: the tree's K/V already sit as scratch in the layer's cache."""
 
-    def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor) -> None:
-        k = path.shape[1]
-        valid = path >= 0
-        src = lengths[:, None] + path.clamp(min=0)  # (b, k) scratch positions of accepted nodes
-        # padded slots copy the node itself onto a position past the new length: harmless
-        dst = lengths[:, None] + torch.arange(k, device=path.device)
-        src = torch.where(valid, src, dst)
+    def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        if "kv" not in shared:  # source and destination positions, once per commit
+            k = path.shape[1]
+            dst = lengths[:, None] + torch.arange(k, device=path.device)
+            # padded slots copy the node itself onto a position past the new length: harmless
+            src = torch.where(path >= 0, lengths[:, None] + path, dst)  # accepted nodes' scratch
+            shared["kv"] = (src, dst)
+        src, dst = shared["kv"]
         for t in (layer.k, layer.v):
-            idx = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-            moved = t.gather(2, idx)  # gather first: sources and destinations overlap
-            t.scatter_(2, dst[:, None, :, None].expand_as(idx), moved)
+            # gather first: sources and destinations overlap
+            t[shared["rows"], :, dst] = t[shared["rows"], :, src]
 
 
 @dataclass
 class PendingTree:
     tree: "object"  # stree.tree.TokenTree
     layers: dict = field(default_factory=dict)  # layer index -> *Activations
+
+
+@dataclass
+class NodeStates:
+    """Materialised state of every forwarded node of one Mamba2 layer (level-by-level drafting).
+
+    conv, ssm: ``(b, capacity + 1, ...)`` conv / SSM state after each node; slot 0 holds the
+    committed state (the root's parent), node i sits in slot i + 1.
+    """
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        # the committed state becomes the state after the path's last node (slot 0: empty path)
+        rows, last = shared["rows"], shared["last_slot"]
+        layer.conv_state.copy_(self.conv[rows, last[:, None]][:, 0])
+        layer.ssm_state.copy_(self.ssm[rows, last[:, None]][:, 0])
+
+
+@dataclass
+class LevelPending(PendingTree):
+    """Pending state of a tree forwarded level by level (``level_forward``): per Mamba2 layer the
+    :class:`NodeStates` of every forwarded node, per attention layer the K/V scratch as usual.
+    ``forwarded_depth``: depth of the deepest forwarded node (host-side)."""
+    forwarded_depth: int = -1
 
 
 class TreeCache:
@@ -150,13 +185,17 @@ class TreeCache:
         self.seqlens = [s + c for s, c in zip(self.seqlens, counts)]
         self.lengths += torch.tensor(counts, dtype=torch.long, device=self.lengths.device)
 
-    def commit(self, path) -> None:
+    def commit(self, path, counts: list[int] | None = None) -> None:
         """Advance every layer along the accepted path of the last tree.
 
         Args:
             path: ``(b, k)`` node indices from the root (``path[:, 0] == 0``), each a child of the
                 previous one, -1 padded at the end for rows that accepted fewer nodes. A row of
                 all -1 commits nothing (a finished sequence).
+            counts: the number of valid nodes of each row of ``path``, known to a caller whose path
+                comes from a verifier (the generate loop): the path is then trusted and not read
+                on the host (no device sync; checked only under ``STREE_DEBUG=1``). Without it the
+                path is validated and its lengths read on the host.
         """
         if self.pending is None:
             raise RuntimeError("commit() needs a tree_forward() first (nothing pending)")
@@ -164,9 +203,20 @@ class TreeCache:
         path = torch.as_tensor(path, dtype=torch.long, device=self.lengths.device)
         if path.dim() == 1:
             path = path.unsqueeze(0)
-        counts = _validate_path(path, tree, self.batch_size)
+        if counts is None or debug_checks():
+            checked = _validate_path(path, tree, self.batch_size)  # reads the path on the host
+            if counts is not None and list(counts) != checked:
+                raise ValueError(f"counts {list(counts)} do not match the path lengths {checked}")
+            counts = checked
+        if isinstance(self.pending, LevelPending) and max(counts) - 1 > self.pending.forwarded_depth:
+            raise ValueError(f"the path reaches depth {max(counts) - 1} but only nodes down to depth "
+                             f"{self.pending.forwarded_depth} were forwarded; level_forward them first")
+        shared = {"rows": torch.arange(self.batch_size, device=path.device)[:, None]}
+        if isinstance(self.pending, LevelPending):
+            last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
+            shared["last_slot"] = path.gather(1, last[:, None])[:, 0] + 1  # -1 (empty) -> slot 0
         for idx, acts in self.pending.layers.items():
-            acts.commit(self.layers[idx], path, self.lengths)
+            acts.commit(self.layers[idx], path, self.lengths, shared)
         self.advance(counts)
         self.pending = None
 

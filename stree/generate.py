@@ -31,6 +31,7 @@ from torch import Tensor
 
 from stree import native
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
+from stree.draft.base import commit_draft
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
 from stree.verify import SamplingConfig, default_verifier, get_verifier, sample_from, target_probs
@@ -173,8 +174,13 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
             logits = side.logits(d.tree)
             verdict = verifier.verify(d, logits, sampling, generator)
         stats.target_calls += 1
-        accepted = d.tree.path_tokens(verdict.path)[:, 1:].tolist()
-        for r, (toks, nxt) in enumerate(zip(accepted, verdict.next_token.tolist())):
+        # the step's one device read: accepted tokens and the next token of every row
+        read = torch.cat([d.tree.path_tokens(verdict.path)[:, 1:], verdict.next_token[:, None]],
+                         dim=1).tolist()
+        accepted, next_tokens = [r[:-1] for r in read], [r[-1] for r in read]
+        # path nodes per row, from the tokens already on the host (no further device sync)
+        counts = [0 if done[r] else 1 + sum(t >= 0 for t in toks) for r, toks in enumerate(accepted)]
+        for r, (toks, nxt) in enumerate(zip(accepted, next_tokens)):
             if done[r]:
                 continue
             before = len(new[r])
@@ -183,11 +189,14 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
         if all(done):
             break
         # Finished rows stop advancing (their later trees are padding).
-        path = verdict.path.masked_fill(torch.tensor(done, device=verdict.path.device)[:, None], -1)
+        path = verdict.path
+        if any(done):
+            path = path.masked_fill(torch.tensor(done, device=path.device)[:, None], -1)
+            counts = [0 if done[r] else c for r, c in enumerate(counts)]
         with timed(stats, "replay_s", device):
-            side.commit(d.tree, path)
+            side.commit(d.tree, path, counts)
         with timed(stats, "draft_s", device):
-            drafting.commit(d.tree, path)
+            drafting.commit(d.tree, path, counts)
         roots = verdict.next_token
     if streamer is not None:
         streamer.end()
@@ -223,20 +232,20 @@ class _DraftSide:
         self.stats.draft_calls += self.drafter.depth
         return self.drafter.draft(self.model, self.cache, roots, sampling, generator)
 
-    def commit(self, tree: TokenTree, path: Tensor) -> None:
-        """Advance the draft along the target's accepted ``path`` (b, k), -1 padded."""
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
+        """Advance the draft along the target's accepted ``path`` (b, k), -1 padded, of
+        ``counts[r]`` nodes per row (host-side, so no device sync)."""
         if self.model is None:
             return
-        if int(path.max()) < self.drafter.num_forwarded:
-            # The draft's last tree_forward covered every path node (all layers above the deepest).
-            self.cache.commit(path[:, :self.drafter.depth])
+        if commit_draft(self.model, self.cache, tree, path, counts, self.drafter.depth):
             return
-        # The path reaches the deepest layer, which the draft never ran: run it as a chain.
+        # A tree_forward-only draft model whose path reaches the never-run deepest layer: run
+        # the path as a chain.
         chain = TokenTree.chain(tree.path_tokens(path).clamp(min=0))  # padding: never committed
         self.model.tree_forward(chain, self.cache)
         self.stats.draft_calls += 1
         steps = torch.arange(path.shape[1], device=path.device).expand_as(path)
-        self.cache.commit(torch.where(path >= 0, steps, -1))
+        self.cache.commit(torch.where(path >= 0, steps, -1), counts)
 
 
 # ------------------------------------------------------------------------------ target sides
@@ -253,8 +262,8 @@ class _PackedTarget:
     def logits(self, tree: TokenTree) -> Tensor:
         return self.model.tree_forward(tree, self.cache)
 
-    def commit(self, tree: TokenTree, path: Tensor) -> None:
-        self.cache.commit(path)
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
+        self.cache.commit(path, counts)
 
 
 class _UnrolledTarget:
@@ -300,7 +309,7 @@ class _UnrolledTarget:
         rows, pos = torch.tensor(src, device=logits.device).unbind(-1)
         return logits[rows, pos]
 
-    def commit(self, tree: TokenTree, path: Tensor) -> None:
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
         """Commit each copy's backlog; the accepted path becomes the next backlog."""
         U = self.leaves
         cpath = torch.full((len(self.backlog) * U, self.width), -1, dtype=torch.long)

@@ -14,7 +14,7 @@ from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_norm_fn, RMSNorm
 
 from stree import hf
-from stree.cache import PendingTree, TreeCache
+from stree.cache import LevelPending, MambaLayerCache, NodeStates, PendingTree, TreeCache
 from stree.layers import attention, mamba2
 from stree.tree import TokenTree
 
@@ -88,12 +88,14 @@ class TreeDecodingMixin:
         if tree.batch_size != cache.batch_size:
             raise ValueError(f"tree batch {tree.batch_size} != cache batch {cache.batch_size}")
         vocab = _vocab_size(self)
-        if tree.max_token >= vocab:  # host-side: no device sync in the verify step
+        if tree.max_token is not None and tree.max_token >= vocab:  # host-side: no device sync
             raise ValueError(f"tree token {tree.max_token} out of range for vocab size {vocab}")
         cache.check_room(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
         span = max(cache.seqlens) + tree.num_nodes
-        shared = {}
+        # mask, positions and slots of attention layers: once per tree, shared by every layer
+        adapters = [attention.view(m) for _, m in _stree_mixers(self) if not mamba2.is_mamba2(m)]
+        shared = attention.tree_tables(tree, cache.lengths, span, adapters) if adapters else {}
         pending = PendingTree(tree)
 
         def run(idx, mixer, h):
@@ -101,16 +103,86 @@ class TreeDecodingMixin:
             if mamba2.is_mamba2(mixer):
                 out, acts = mamba2.tree_forward(mixer, h, state, tree, impl=impl)
             else:
-                if "mask" not in shared:  # one mask per tree, shared by every attention layer
-                    shared["mask"] = attention.tree_mask(tree, cache.lengths, span)
                 out, acts = attention.tree_forward(attention.view(mixer), h, state, tree,
-                                                   cache.lengths, span, shared["mask"])
+                                                   cache.lengths, span, shared)
             pending.layers[idx] = acts
             return out
 
         logits = _stree_walk(self, tree.tokens, run)
         cache.pending = pending
         return logits
+
+
+    @torch.inference_mode()
+    def level_forward(self, tree: TokenTree, cache: TreeCache, nodes: torch.Tensor, *,
+                      first: bool = False, capacity: int | None = None) -> torch.Tensor:
+        """Logits ``(b, w, vocab)`` of the tree nodes ``nodes (b, w)``, each run once from its
+        parent's materialised state: how a drafter forwards each new level of its tree.
+
+        The parents of ``nodes`` must have been forwarded by earlier ``level_forward`` calls on
+        (a prefix of) the same tree, the root's parent being the committed state. ``first``
+        starts a new tree (its nodes are the root's level), with room for ``capacity`` nodes
+        (default: this tree's size). Per Mamba2 layer the state after every forwarded node is kept, so
+        ``cache.commit(path)`` sets the committed state to the path's last node's state with no
+        replay; attention K/V go to the scratch slots as in ``tree_forward``. Committed state is
+        unchanged until then.
+        """
+        b, w = nodes.shape
+        if b != cache.batch_size or tree.batch_size != b:
+            raise ValueError(f"nodes {tuple(nodes.shape)} / tree batch {tree.batch_size} do not "
+                             f"match the cache batch {cache.batch_size}")
+        pending = cache.pending
+        start = first or not isinstance(pending, LevelPending)
+        if start:
+            pending = LevelPending(tree)
+        rows = torch.arange(b, device=nodes.device)[:, None]
+        parent_slot = tree.parents.gather(1, nodes) + 1  # root -> slot 0, the committed state
+        span = max(cache.seqlens) + tree.num_nodes
+        cache.check_room(tree.num_nodes)
+        adapters = [attention.view(m) for _, m in _stree_mixers(self) if not mamba2.is_mamba2(m)]
+        shared = (attention.tree_tables(tree, cache.lengths, span, adapters, nodes=nodes)
+                  if adapters else {})
+        one = _one_node_tree(b * w, nodes.device)
+
+        def run(idx, mixer, h):
+            state = cache.layers[idx]
+            if not mamba2.is_mamba2(mixer):
+                out, acts = attention.tree_forward(attention.view(mixer), h, state, tree,
+                                                   cache.lengths, span, shared)
+                pending.layers[idx] = acts
+                return out
+            if start:  # slot 0: the committed state, then room for every node
+                slots = (capacity or tree.num_nodes) + 1
+                conv = state.conv_state[:, None].expand(-1, slots, -1, -1).clone()
+                ssm = state.ssm_state[:, None].expand(-1, slots, -1, -1, -1).clone()
+                pending.layers[idx] = NodeStates(conv, ssm)
+            ns = pending.layers[idx]
+            # each node is a one-node tree from its parent's state; one recurrence step from
+            # that state and the node's activations gives the node's own state
+            parent = MambaLayerCache(ns.conv[rows, parent_slot].flatten(0, 1),
+                                     ns.ssm[rows, parent_slot].flatten(0, 1))
+            out, acts = mamba2.tree_forward(mixer, h.reshape(b * w, 1, -1), parent, one)
+            conv, ssm = mamba2.node_state(parent, acts)
+            ns.conv[rows, nodes + 1] = conv.unflatten(0, (b, w))
+            ns.ssm[rows, nodes + 1] = ssm.unflatten(0, (b, w))
+            return out.view(b, w, -1)
+
+        logits = _stree_walk(self, tree.tokens.gather(1, nodes), run)
+        pending.tree = tree
+        pending.forwarded_depth = tree.max_depth
+        cache.pending = pending
+        return logits
+
+
+_ONE_NODE: dict = {}
+
+
+def _one_node_tree(batch: int, device) -> TokenTree:
+    """A root-only tree of ``batch`` rows (cached): a level's nodes, each from its own state."""
+    key = (batch, str(device))
+    if key not in _ONE_NODE:
+        _ONE_NODE[key] = TokenTree(torch.zeros(batch, 1, dtype=torch.long, device=device), [-1])
+    return _ONE_NODE[key]
 
 
 def patch(model):

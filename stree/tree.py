@@ -32,7 +32,8 @@ class TokenTree:
         mask: ``(b, n, n)`` bool, ``mask[b, i, j]`` iff node j is on the root-to-i path (i included).
         paths: ``(b, n, max_depth + 1)`` int64, root-to-node node indices, -1 padded at the end.
         max_depth: int, deepest node's depth over the batch.
-        max_token: int, largest token id (host-side).
+        max_token: int, largest token id (host-side; None for ``with_tokens(..., trusted=True)``).
+        max_children: int, most children of any node (host-side).
     """
 
     def __init__(self, tokens, parents, *, vocab_size: int | None = None,
@@ -62,16 +63,23 @@ class TokenTree:
         self.max_token = _validate_tokens(tokens, vocab_size)
 
         self.tokens = tokens.contiguous()
+        # host-side, for verifiers' children tables (no device read per step)
+        row_offset = torch.arange(b)[:, None] * n  # children counted per (row, parent)
+        self.max_children = int(torch.bincount((parents[:, 1:] + row_offset).flatten()).max()) \
+            if n > 1 else 0
         depth, paths = _depth_and_paths(parents)
         self.max_depth = paths.shape[-1] - 1
         self.parents, self.depth, self.paths, self.mask = (
             t.to(device) for t in (parents, depth, paths, _ancestor_mask(paths, n)))
-        self._windows: dict[int, torch.Tensor] = {}
+        self._windows: dict = {}
         self._children: list[list[list[int]]] | None = None
 
-    def with_tokens(self, tokens) -> "TokenTree":
+    def with_tokens(self, tokens, *, trusted: bool = False) -> "TokenTree":
         """A tree of the same shape with other tokens, sharing every table (no re-validation of
-        the structure): how a drafter reuses one template step after step."""
+        the structure): how a drafter reuses one template step after step.
+
+        ``trusted``: the tokens come from a model's own choice over its vocabulary (a drafter),
+        so their range is not read back from the device (``max_token`` is then None)."""
         tokens = _as_long_tensor(tokens, "tokens")
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
@@ -80,7 +88,7 @@ class TokenTree:
                              f"{tuple(self.tokens.shape)}")
         other = object.__new__(TokenTree)
         other.__dict__.update(self.__dict__)
-        other.max_token = _validate_tokens(tokens, None)
+        other.max_token = None if trusted else _validate_tokens(tokens, None)
         other.tokens = tokens.to(self.device).contiguous()
         return other
 
@@ -130,6 +138,27 @@ class TokenTree:
             in_state = (width - 1) + depth - lag  # index into committed part when lag > depth
             self._windows[width] = torch.where(lag <= depth, in_tree, in_state)
         return self._windows[width]
+
+    def conv_gather_index(self, width: int, channels: int) -> torch.Tensor:
+        """``(b, n * width, channels)`` int64: :meth:`conv_window` shifted by one and expanded over
+        channels, to gather the taps from ``cat(conv_state^T, xbc)`` (the whole committed window,
+        so no slice is needed) in one ``gather``. Cached per (width, channels)."""
+        key = ("gather", width, channels)
+        if key not in self._windows:
+            b, n = self.tokens.shape
+            idx = (self.conv_window(width) + 1).reshape(b, n * width, 1)
+            self._windows[key] = idx.expand(b, n * width, channels)
+        return self._windows[key]
+
+    def scan_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mask_f (b, n, n) float32, bias (b, 1, n, n) float32)``: the ancestor mask as 0/1 for
+        the tree prefix sum ``A_tree = L @ a``, and as 0/-inf to add to exponents before ``exp``.
+        Built once per tree, shared by every Mamba2 layer."""
+        if "scan" not in self._windows:
+            mask_f = self.mask.float()
+            bias = torch.zeros_like(mask_f).masked_fill_(~self.mask, float("-inf"))
+            self._windows["scan"] = (mask_f, bias[:, None])
+        return self._windows["scan"]
 
     def children(self, row: int, node: int) -> list[int]:
         """Children of ``node`` in row ``row``, in index (= draft) order. Host-side helper."""

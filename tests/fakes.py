@@ -57,7 +57,9 @@ class FakeCache:
         self.tokens[b, start:start + len(toks)] = torch.tensor(toks, dtype=torch.long)
         self.lengths[b] += len(toks)
 
-    def commit(self, path) -> None:
+    def commit(self, path, counts=None) -> None:
+        """Like ``TreeCache.commit``; ``counts`` (path nodes per row, from the generate loop) must
+        match the path."""
         if self.pending is None:
             raise RuntimeError("commit() needs a tree_forward() first")
         tree, self.pending = self.pending, None
@@ -70,6 +72,7 @@ class FakeCache:
             assert k == 0 or row[0] == 0, f"path must start at the root: {row}"
             for j in range(1, k):
                 assert tree.parents[b, row[j]] == row[j - 1], f"not a path: {row}"
+            assert counts is None or counts[b] == k, f"counts {counts} do not match path {row}"
             self.append(b, tree.tokens[b, row[:k]].tolist())
 
 

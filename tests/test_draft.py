@@ -6,7 +6,7 @@ import torch
 from stree.draft import (STATIC_TREES, BeamTreeDrafter, ChainDrafter, StaticTreeDrafter,
                          parse_drafter)
 from stree.tree import TokenTree
-from stree.verify import SamplingConfig, target_probs
+from stree.verify import SamplingConfig
 from tests.fakes import FakeLM
 
 GREEDY = SamplingConfig()
@@ -98,8 +98,12 @@ def test_draft_calls_once_per_depth_over_tree_only(spec, sampling):
         assert torch.equal(call.parents, tree.parents[:, :m])
         assert call.committed == [3, 3]  # committed state untouched while drafting
     assert calls[-1].tokens.shape[1] == drafter.num_forwarded
-    # q: distributions at forwarded nodes, zero rows at the never-forwarded deepest layer
+    # q: distributions at forwarded nodes, zero rows at the never-forwarded deepest layer; at
+    # greedy sampling no verifier reads q and none is allocated
     q = draft.q
+    if sampling.is_greedy:
+        assert q is None
+        return
     assert q.shape == (2, drafter.num_nodes, 19)
     fwd = drafter.num_forwarded
     assert (q >= 0).all()
@@ -117,7 +121,7 @@ def test_static_deterministic_children_are_topk_in_order():
     assert draft.tree.tokens[0, 1:4].tolist() == top3
     assert draft.tree.tokens[0, 4:6].tolist() == [int(logits[0, 1].argmax()), int(logits[0, 2].argmax())]
     assert draft.mode == "deterministic"
-    torch.testing.assert_close(draft.q[:, :4], target_probs(logits, GREEDY))
+    assert draft.q is None  # greedy: no verifier reads q
 
 
 def test_chain_at_greedy_is_the_draft_argmax_chain():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stree.kernels._common import checks  # argument checks are a debug feature
 from stree.kernels import conv_replay, tree_conv, tree_conv_ref
 from tests.kernel_helpers import assert_close as _assert_close
 from tests.kernel_helpers import (chain, common_trees, nan_filled_empty, padded_paths, path_to,
@@ -164,7 +165,7 @@ def test_tree_conv_cuda(dtype):
 def test_tree_conv_bad_arguments_raise(change):
     args = dict(make_inputs(batch_of(chain(5))), activation="silu", impl="triton")
     args.update(change)
-    with pytest.raises(ValueError, match="tree_conv"):
+    with checks(), pytest.raises(ValueError, match="tree_conv"):
         tree_conv(**args)
 
 
@@ -231,5 +232,5 @@ def test_conv_replay_bad_arguments_raise(change):
     merged = dict(conv_state=args["conv_state"], xbc=args["xbc"],
                   path=torch.zeros(2, 2, dtype=torch.int64))
     merged.update(change)
-    with pytest.raises(ValueError, match="conv_replay"):
+    with checks(), pytest.raises(ValueError, match="conv_replay"):
         conv_replay(**merged)

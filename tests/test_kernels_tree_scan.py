@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stree.kernels._common import checks  # argument checks are a debug feature
 from stree.kernels import ssm_replay, ssm_replay_ref, tree_scan, tree_scan_ref
 from tests.kernel_helpers import assert_close as _assert_close
 from tests.kernel_helpers import (chain, common_trees, full_binary, nan_filled_empty, padded_paths,
@@ -279,7 +280,7 @@ def test_bad_arguments_raise(change):
     _, args, kw = _case(chain(5), FEATURES["D_h-z-bias-h0"], {})
     merged = dict(args, **kw, impl="triton")
     merged.update(change)
-    with pytest.raises(ValueError, match=r"tree_scan|impl"):
+    with checks(), pytest.raises(ValueError, match=r"tree_scan|impl"):
         tree_scan(**merged)
 
 
@@ -342,5 +343,5 @@ def test_ssm_replay_bad_arguments_raise(change):
     merged = dict(ssm_state=kw["initial_states"], x=args["x"], dt=args["dt"], A=args["A"],
                   B=args["B"], path=torch.zeros(2, 2, dtype=torch.int64))
     merged.update(change)
-    with pytest.raises(ValueError, match="ssm_replay"):
+    with checks(), pytest.raises(ValueError, match="ssm_replay"):
         ssm_replay(**merged, impl="triton")

@@ -90,3 +90,11 @@ def test_size_and_vocab_limits():
         TokenTree(torch.tensor([1, 50]), [-1, 0], vocab_size=50)
     with pytest.raises(ValueError, match="positive ints"):
         parents_from_widths([2, 0])
+
+
+def test_max_children_is_per_row():
+    tree = TokenTree(torch.zeros(3, 5, dtype=torch.long),
+                     torch.tensor([[-1, 0, 0, 0, 1], [-1, 0, 1, 2, 3], [-1, 0, 1, 1, 0]]))
+    assert tree.max_children == 3
+    assert TokenTree(torch.zeros(4, 3, dtype=torch.long), [-1, 0, 1]).max_children == 1
+    assert TokenTree(torch.zeros(2, 1, dtype=torch.long), [-1]).max_children == 0

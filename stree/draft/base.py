@@ -81,7 +81,8 @@ class Drafter(ABC):
                 ``target_probs(draft_logits, sampling)``, which is also what ``q`` holds.
         Returns:
             ``Draft(tree (b, n), q (b, n, v), mode)``; ``q`` rows of the deepest layer are 0
-            (never forwarded, and leaves' rows are unused by every verifier).
+            (never forwarded, and leaves' rows are unused by every verifier). At greedy sampling
+            ``q`` may be None: no verifier reads it there, so no ``(b, n, v)`` buffer is made.
         """
 
 
@@ -96,11 +97,14 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
             draws without replacement from q; draft order = draw order).
     Returns:
         tokens ``(b, w, count)`` int64 in draft order, and q ``(b, w, v)`` float32 =
-        ``target_probs(logits, sampling)``, the distribution sampled children came from.
+        ``target_probs(logits, sampling)``, the distribution sampled children came from (None for
+        chosen children at greedy sampling, where no verifier reads q).
     """
-    q = target_probs(logits, sampling)
     if mode == "deterministic":
+        # at greedy sampling no verifier reads q (it is None): nothing to compute
+        q = None if sampling.is_greedy else target_probs(logits, sampling)
         return logits.topk(count, dim=-1).indices, q
+    q = target_probs(logits, sampling)
     if mode in ("iid", "chain"):
         return sample_from(q.unsqueeze(-2).expand(*q.shape[:-1], count, q.shape[-1]), generator), q
     if mode == "without_replacement":
@@ -111,3 +115,42 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
         return (q / e.clamp_min(torch.finfo(q.dtype).tiny)).topk(count, dim=-1).indices, q
     raise ValueError(f"unknown draft mode {mode!r}")
 
+
+
+# ------------------------------------------------------------------ the per-level mechanism
+def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Tensor:
+    """Draft logits ``(b, end - start, v)`` of the nodes ``start .. end - 1`` of ``tree`` (the
+    tree drafted so far), whose parents were forwarded by earlier calls of this draft.
+
+    With a model that has ``level_forward`` (every patched model) each node runs once, from its
+    parent's materialised state; other models (test fakes) run ``tree_forward`` over the whole
+    partial tree. ``capacity``: the whole draft's node count. Every drafter calls this.
+    """
+    if hasattr(model, "level_forward"):
+        b = tree.batch_size
+        nodes = torch.arange(start, end, device=tree.device).expand(b, -1)
+        return model.level_forward(tree, cache, nodes, first=start == 0, capacity=capacity)
+    return model.tree_forward(tree, cache)[:, start:end]
+
+
+def commit_draft(model, cache, tree, path: Tensor, counts: list[int], depth: int) -> bool:
+    """Advance the draft cache along the target's accepted ``path (b, k)`` of ``counts[r]`` nodes
+    per row (host ints; no device sync). ``depth``: the drafter's depth (its deepest layer was
+    never forwarded). Returns False when the caller must run the path as a chain instead (a
+    ``tree_forward`` model whose last call did not cover the path).
+
+    After ``forward_level``: nodes of the deepest level that end an accepted path run once, one
+    node per row from its parent's state, then the committed state becomes the state of each
+    row's last path node (no replay, no chain).
+    """
+    if not hasattr(model, "level_forward"):
+        if max(counts) <= depth:  # layered: the path stops above the never-forwarded layer
+            cache.commit(path[:, :depth], counts)
+            return True
+        return False
+    if max(counts) - 1 > cache.pending.forwarded_depth:
+        last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
+        nodes = path.gather(1, last[:, None]).clamp(min=0)  # rows ending higher redo their node
+        model.level_forward(tree, cache, nodes)
+    cache.commit(path, counts)
+    return True

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from stree.draft.base import Drafter
+from stree.draft.base import Drafter, forward_level
 from stree.tree import TokenTree
 from stree.verify import Draft, SamplingConfig, target_probs
 
@@ -70,11 +70,12 @@ class BeamTreeDrafter(Drafter):
         q = None
         for step in range(self.steps):
             start, end = (0, 1) if step == 0 else (1 + (step - 1) * M, 1 + step * M)
-            logits = model.tree_forward(TokenTree(tokens[:, :end], parents[:, :end]), cache)
-            logits = logits[:, start:end]                                   # (b, beams, v)
-            if q is None:
-                q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
-            q[:, start:end] = target_probs(logits, sampling)
+            tree = TokenTree(tokens[:, :end], parents[:, :end])
+            logits = forward_level(model, cache, tree, start, end, n)       # (b, beams, v)
+            if not sampling.is_greedy:  # at greedy no verifier reads q: no (b, n, v) buffer
+                if q is None:
+                    q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
+                q[:, start:end] = target_probs(logits, sampling)
             top = logits.float().log_softmax(-1).topk(M, dim=-1)            # (b, beams, M)
             cand = (scores.unsqueeze(-1) + top.values).flatten(1)           # (b, beams * M)
             best = cand.topk(M, dim=-1)                                     # sorted, best first

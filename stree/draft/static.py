@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from stree.draft.base import SAMPLED_MODES, Drafter, pick_children
+from stree.draft.base import SAMPLED_MODES, Drafter, forward_level, pick_children
 from stree.tree import TokenTree, parents_from_widths
 from stree.verify import Draft, SamplingConfig
 
@@ -77,12 +77,13 @@ class StaticTreeDrafter(Drafter):
         object.__setattr__(self, "_templates", {})
 
     def tree(self, tokens: Tensor) -> TokenTree:
-        """``tokens (b, e)`` placed on the first ``e`` nodes of this tree, tables reused."""
+        """``tokens (b, e)`` placed on the first ``e`` nodes of this tree, tables reused (tokens
+        drafted by the model: trusted, not read back)."""
         b, e = tokens.shape
         key = (b, e, tokens.device)
         if key not in self._templates:
             self._templates[key] = TokenTree(tokens, self.parents[:e])
-        return self._templates[key].with_tokens(tokens)
+        return self._templates[key].with_tokens(tokens, trusted=True)
 
     @classmethod
     def from_widths(cls, widths: Sequence[int], mode: str | None = None,
@@ -136,10 +137,11 @@ class StaticTreeDrafter(Drafter):
         q = None
         for d in range(self.depth):
             (s, e), (cs, ce) = self._bounds[d], self._bounds[d + 1]
-            logits = model.tree_forward(self.tree(tokens[:, :e]), cache)[:, s:e]
+            logits = forward_level(model, cache, self.tree(tokens[:, :e]), s, e, n)
             picks, probs = pick_children(logits, self._fanout[d], mode, sampling, generator)
-            if q is None:
-                q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
-            q[:, s:e] = probs
+            if not sampling.is_greedy:  # at greedy no verifier reads q: no (b, n, v) buffer
+                if q is None:
+                    q = torch.zeros(b, n, logits.shape[-1], dtype=torch.float32, device=device)
+                q[:, s:e] = probs
             tokens[:, cs:ce] = picks[:, parent_col[cs:ce], rank[cs:ce]]
         return Draft(self.tree(tokens), q, mode)

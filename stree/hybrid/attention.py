@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import AttentionLayerCache
-from .rotary import RotaryEmbedding, apply_rotary
+from .rotary import RotaryEmbedding, rotate, signed_tables
 
 
 class LlamaAttention(nn.Module):
@@ -33,8 +33,17 @@ class LlamaAttention(nn.Module):
 
     def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """Rotate q (b, l, hq, hd) and k (b, l, hkv, hd) to ``positions (b, l)``."""
-        cos, sin = self.rotary(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        tables = self.rotary_tables(positions)
+        return rotate(q, tables), rotate(k, tables)
+
+    def rotary_tables(self, positions: torch.Tensor):
+        """``(cos, signed sin)`` for ``positions (b, l)`` (see ``rotary.signed_tables``); the same
+        for every layer with an equal ``rotary_key``, so tree decoding builds them once per tree."""
+        return signed_tables(*self.rotary(positions))
+
+    @property
+    def rotary_key(self):
+        return ("llama", self.head_dim, self.rotary.theta, repr(self.rotary.scaling))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                causal: bool = False) -> torch.Tensor:

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from stree._mamba import mamba_ssm  # noqa: F401  (must precede any mamba_ssm submodule import)
-from mamba_ssm.ops.triton.layernorm_gated import rms_norm_ref, rmsnorm_fn
+from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
 
 from .cache import MambaLayerCache
 from stree.kernels.chunk_scan import chunk_scan
+from stree.layers.norm import gated_rms_norm
 
 from .ssd import NO_DT_LIMIT, ssm_step
 
@@ -30,7 +31,7 @@ except ImportError:
 
 class GatedRMSNorm(nn.Module):
     """``rmsnorm(y * silu(z))`` per group of ``group_size`` channels (mamba_ssm's ``RMSNormGated`` with
-    ``norm_before_gate=False``): Triton kernel on CUDA, mamba_ssm's ``rms_norm_ref`` on CPU."""
+    ``norm_before_gate=False``): Triton kernel on CUDA, :func:`stree.layers.norm.gated_rms_norm` on CPU."""
 
     def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-5):
         super().__init__()
@@ -41,8 +42,7 @@ class GatedRMSNorm(nn.Module):
         if y.is_cuda:
             return rmsnorm_fn(y, self.weight, None, z=z, eps=self.eps, group_size=self.group_size,
                               norm_before_gate=False)
-        return rms_norm_ref(y, self.weight, None, z=z, eps=self.eps, group_size=self.group_size,
-                            norm_before_gate=False, upcast=True)
+        return gated_rms_norm(y, z, self.weight, None, self.eps, self.group_size)
 
 
 class Mamba2GQA(nn.Module):

@@ -68,7 +68,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     Non-interleaved (GPT-NeoX / HF Llama ``rotate_half``) layout; computed in fp32, returned in x.dtype.
     """
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, :, None] + rotated * sin[:, :, None]).to(x.dtype)
+    return rotate(x, signed_tables(cos, sin))
+
+
+def signed_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin with its first half negated)``, each ``(batch, length, 1, head_dim)``: with them
+    ``rotate_half(x) * sin == roll(x, head_dim / 2) * signed_sin``, so a rotation is three ops.
+    Built once per set of positions and shared by every attention layer."""
+    half = sin.shape[-1] // 2
+    return cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x (b, l, heads, head_dim)`` rotated by :func:`signed_tables`; fp32 compute, x's dtype out."""
+    cos, sin = tables
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, dims=-1), sin)
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -2,11 +2,34 @@
 from __future__ import annotations
 
 import math
+import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 IMPLS = ("auto", "triton", "ref")
+
+# Argument checks of the ops and of trusted internal calls (paths from a verifier) cost host time
+# on every layer of every step and a correct caller never trips them: they run only when
+# ``STREE_DEBUG=1`` or inside ``checks(True)``. User input is validated at the API boundary.
+_CHECKS = [os.environ.get("STREE_DEBUG", "0") not in ("", "0")]
+
+
+def debug_checks() -> bool:
+    """True when internal argument checks are on (``STREE_DEBUG=1`` or :func:`checks`)."""
+    return _CHECKS[0]
+
+
+@contextmanager
+def checks(enabled: bool = True):
+    """Turn internal argument checks on (or off) for the block."""
+    before = _CHECKS[0]
+    _CHECKS[0] = enabled
+    try:
+        yield
+    finally:
+        _CHECKS[0] = before
 
 
 def use_triton(impl: str, like: torch.Tensor) -> bool:
@@ -53,9 +76,10 @@ def process_dt(dt: torch.Tensor, dt_bias=None, dt_softplus: bool = True,
                dt_limit=NO_DT_LIMIT) -> torch.Tensor:
     """mamba_ssm's chunked-path dt transform, in fp32: bias, softplus, then clamp to dt_limit
     (only when it is not the default ``(0, inf)``, as mamba_ssm's kernels do)."""
-    dt = dt.float()
+    if dt.dtype != torch.float32:  # casts only where they do something
+        dt = dt.float()
     if dt_bias is not None:
-        dt = dt + dt_bias.float()
+        dt = dt + (dt_bias if dt_bias.dtype == torch.float32 else dt_bias.float())
     if dt_softplus:
         dt = F.softplus(dt)
     if tuple(dt_limit) != NO_DT_LIMIT:

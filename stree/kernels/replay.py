@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stree.kernels._common import (check_device, check_float, check_index, check_ndim,
+from stree.kernels._common import (check_device, check_float, debug_checks, check_index, check_ndim,
                                    check_shape, use_triton)
 
 
@@ -94,22 +94,32 @@ def _ssm_replay_triton(ssm_state, x, dt, A, B, path):
     )
 
 
-def _ssm_replay_ref(ssm_state, x, dt, A, B, path):
-    h, g = ssm_state.shape[1], B.shape[2]
-    rows = torch.arange(path.shape[0], device=path.device)
-    state = ssm_state.float()
-    for j in range(path.shape[1]):  # k is a shape, not data: no host sync
-        node = path[:, j].clamp(min=0)
-        dt_j = torch.where(path[:, j, None] >= 0, dt[rows, node].float(), 0.0)  # (b, h)
-        x_j = x[rows, node].float()  # (b, h, p)
-        B_j = B[rows, node].float().repeat_interleave(h // g, dim=1)  # (b, h, s)
-        decay = torch.exp(dt_j * A.float())
-        state = (decay[..., None, None] * state
-                 + (dt_j[..., None] * x_j)[..., None] * B_j[:, :, None, :])
-    ssm_state.copy_(state)
+def path_tables(path):
+    """``(rows (b, 1), node (b, k) clamped to >= 0, valid (b, k) bool)`` for gathers along a path;
+    built once per commit and shared by every layer."""
+    return (torch.arange(path.shape[0], device=path.device)[:, None], path.clamp(min=0), path >= 0)
 
 
-def ssm_replay(ssm_state, x, dt, A, B, path, impl="auto"):
+def _ssm_replay_ref(ssm_state, x, dt, A, B, path, tables=None):
+    # Closed form of the k steps h <- exp(dt_j A) h + dt_j x_j B_j^T: with la_j = dt_j A and
+    # S_j = sum_{i > j} la_i, h_k = exp(sum la) h_0 + sum_j exp(S_j) dt_j x_j B_j^T (one matmul).
+    # Padded steps (-1) have dt = 0: decay 1, no input.
+    b, h, p, s = ssm_state.shape
+    g, k = B.shape[2], path.shape[1]
+    rows, node, valid = tables if tables is not None else path_tables(path)
+    dt_k = torch.where(valid[..., None], dt[rows, node], 0.0)  # (b, k, h) fp32
+    la = dt_k * A
+    total = la.sum(1)  # (b, h)
+    weight = (total[:, None] - la.cumsum(1)).exp_().mul_(dt_k)  # exp(S_j) dt_j, (b, k, h)
+    xw = x[rows, node].float().mul_(weight[..., None]).view(b, k, g, h // g, p)
+    upd = torch.matmul(xw.permute(0, 2, 3, 4, 1), B[rows, node].float().transpose(1, 2)[:, :, None])
+    if ssm_state.dtype == torch.float32:
+        ssm_state.mul_(total.exp()[..., None, None]).add_(upd.view(b, h, p, s))
+    else:
+        ssm_state.copy_(ssm_state.float() * total.exp()[..., None, None] + upd.view(b, h, p, s))
+
+
+def ssm_replay(ssm_state, x, dt, A, B, path, impl="auto", tables=None):
     """Advance ``ssm_state`` in place along ``path`` from cached tree activations.
 
     Args:
@@ -120,9 +130,12 @@ def ssm_replay(ssm_state, x, dt, A, B, path, impl="auto"):
         path: (batch, k) int64 node indices, root first, -1 padded at the end.
         impl: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "ref".
     """
-    _check_ssm_args(ssm_state, x, dt, A, B, path)
-    run = _ssm_replay_triton if use_triton(impl, ssm_state) else _ssm_replay_ref
-    run(ssm_state, x, dt, A, B, path)
+    if debug_checks():
+        _check_ssm_args(ssm_state, x, dt, A, B, path)
+    if use_triton(impl, ssm_state):
+        _ssm_replay_triton(ssm_state, x, dt, A, B, path)
+    else:
+        _ssm_replay_ref(ssm_state, x, dt, A, B, path, tables)
 
 
 def ssm_replay_ref(ssm_state, x, dt, A, B, path):
@@ -131,15 +144,7 @@ def ssm_replay_ref(ssm_state, x, dt, A, B, path):
     _ssm_replay_ref(ssm_state, x, dt, A, B, path)
 
 
-def conv_replay(conv_state, xbc, path):
-    """Shift the accepted path's pre-conv inputs into ``conv_state``, in place (torch gather).
-
-    Args:
-        conv_state: (batch, channels, width), column width-1 newest; becomes the last width
-            columns of [conv_state, xbc[path nodes]] per row (short paths keep older columns).
-        xbc: (batch, nodes, channels) pre-conv inputs of the tree nodes.
-        path: (batch, k) int64 node indices, root first, -1 padded at the end.
-    """
+def _check_conv_args(conv_state, xbc, path):
     op = "conv_replay"
     check_ndim(op, "conv_state", conv_state, 3, "(batch, channels, width)")
     b, c, w = conv_state.shape
@@ -151,14 +156,35 @@ def conv_replay(conv_state, xbc, path):
     check_float(op, conv_state=conv_state, xbc=xbc)
     check_index(op, path=path)
     check_device(op, conv_state.device, xbc=xbc, path=path)
+
+
+def conv_replay(conv_state, xbc, path, index=None):
+    """Shift the accepted path's pre-conv inputs into ``conv_state``, in place (torch gather).
+
+    Args:
+        conv_state: (batch, channels, width), column width-1 newest; becomes the last width
+            columns of [conv_state, xbc[path nodes]] per row (short paths keep older columns).
+        xbc: (batch, nodes, channels) pre-conv inputs of the tree nodes.
+        path: (batch, k) int64 node indices, root first, -1 padded at the end.
+        index: :func:`conv_replay_index` of ``path`` (shared by the layers of one commit), or None.
+    """
+    if debug_checks():
+        _check_conv_args(conv_state, xbc, path)
+    b, c, w = conv_state.shape
     if path.shape[1] == 0:
         return
+    if index is None:
+        index = conv_replay_index(path, w)
+    # src (b, w + n, c): committed columns, then the tree nodes (conv_state^T is contiguous)
+    src = torch.cat([conv_state.transpose(1, 2), xbc], dim=1)
+    conv_state.transpose(1, 2).copy_(src.gather(1, index[:, :, None].expand(b, w, c)))
 
-    # Sequence per row: [conv_state columns 0..w-1, path nodes 0..L-1]; keep positions L..L+w-1.
-    # In src = cat(conv_state, xbc^T) column q < w is conv_state[q], w + i is node i.
+
+def conv_replay_index(path, w: int):
+    """``(b, w)`` int64: for each row, which columns of ``cat(conv_state, xbc^T)`` (column q < w is
+    conv_state[q], w + i is node i) make the new conv state: sequence positions L .. L + w - 1 of
+    [conv_state columns, path nodes], L = the row's path length. Shared by the layers of a commit."""
     length = (path >= 0).sum(dim=1, keepdim=True)  # (b, 1), stays on device
     pos = length + torch.arange(w, device=path.device)  # (b, w)
     node = path.gather(1, (pos - w).clamp(min=0, max=path.shape[1] - 1))
-    src_col = torch.where(pos < w, pos, w + node)
-    src = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)], dim=2)
-    conv_state.copy_(src.gather(2, src_col[:, None, :].expand(b, c, w)))
+    return torch.where(pos < w, pos, w + node)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from stree.kernels._common import (check_device, check_float, check_index, check_ndim,
+from stree.kernels._common import (check_device, check_float, debug_checks, check_index, check_ndim,
                                    check_shape, use_triton)
 
 _OP = "tree_conv"
@@ -104,21 +104,30 @@ def _tree_conv_triton(xbc, conv_state, weight, bias, window, activation):
     return out
 
 
-def _tree_conv_ref(xbc, conv_state, weight, bias, window, activation):
+def _tree_conv_ref(xbc, conv_state, weight, bias, window, activation, gather_index=None):
     b, n, c = xbc.shape
     w = weight.shape[1]
-    ext = torch.cat([conv_state[:, :, 1:].transpose(1, 2), xbc], dim=1).float()  # (b, w-1+n, c)
-    idx = window.reshape(b, n * w, 1).expand(b, n * w, c)
-    taps = torch.gather(ext, 1, idx).view(b, n, w, c)
-    out = torch.einsum("bnwc,cw->bnc", taps, weight.float())
+    # ext over the whole committed window (w columns, no slice): indices are window + 1
+    ext = torch.cat([conv_state.transpose(1, 2), xbc], dim=1)  # (b, w + n, c)
+    if ext.dtype != torch.float32:
+        ext = ext.float()
+    if gather_index is None:
+        gather_index = (window + 1).reshape(b, n * w, 1).expand(b, n * w, c)
+    taps = ext.gather(1, gather_index).view(b, n, w, c)
+    out = (taps * _f32(weight).t()).sum(2)
     if bias is not None:
-        out = out + bias.float()
+        out += _f32(bias)
     if activation is not None:
-        out = F.silu(out)
-    return out.to(xbc.dtype)
+        out = F.silu(out, inplace=True)
+    return out if out.dtype == xbc.dtype else out.to(xbc.dtype)
 
 
-def tree_conv(xbc, conv_state, weight, bias, window, activation="silu", impl="auto"):
+def _f32(t):
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def tree_conv(xbc, conv_state, weight, bias, window, activation="silu", impl="auto",
+              gather_index=None):
     """Causal depthwise conv1d + bias + activation along each node's ancestor chain.
 
     Args:
@@ -129,12 +138,16 @@ def tree_conv(xbc, conv_state, weight, bias, window, activation="silu", impl="au
             (``TokenTree.conv_window(width)``).
         activation: "silu" (or its alias "swish") or None.
         impl: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "ref".
+        gather_index: ``TokenTree.conv_gather_index(width, channels)`` (the window expanded for a
+            gather, shared by every layer of a tree); derived from ``window`` when None.
     Returns:
         out: (batch, nodes, channels) in xbc.dtype.
     """
-    _check_args(xbc, conv_state, weight, bias, window, activation)
-    run = _tree_conv_triton if use_triton(impl, xbc) else _tree_conv_ref
-    return run(xbc, conv_state, weight, bias, window, activation)
+    if debug_checks():
+        _check_args(xbc, conv_state, weight, bias, window, activation)
+    if use_triton(impl, xbc):
+        return _tree_conv_triton(xbc, conv_state, weight, bias, window, activation)
+    return _tree_conv_ref(xbc, conv_state, weight, bias, window, activation, gather_index)
 
 
 def tree_conv_ref(xbc, conv_state, weight, bias, window, activation="silu"):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from stree.kernels._common import (NO_DT_LIMIT, check_device, check_float, check_ndim, check_shape,
+from stree.kernels._common import (NO_DT_LIMIT, check_device, debug_checks, check_float, check_ndim, check_shape,
                                    process_dt, use_triton)
 
 _OP = "tree_scan"
@@ -241,31 +241,51 @@ def _tree_scan_triton(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit
     return y, dt_out
 
 
-def _tree_scan_ref(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit, initial_states):
-    h, g = x.shape[2], B.shape[2]
-    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
-    atree = torch.einsum("bts,bsh->bht", mask.float(), dt * A.float())  # (b, h, n)
-    Bh = B.float().repeat_interleave(h // g, dim=2)  # (b, n, h, s): group of each head
-    Ch = C.float().repeat_interleave(h // g, dim=2)
-    cb = torch.einsum("bthk,bshk->bhts", Ch, Bh)
-    diff = atree[..., :, None] - atree[..., None, :]
-    decay = torch.exp(diff.masked_fill(~mask[:, None], float("-inf")))  # mask before exp
-    m = cb * decay * dt.transpose(1, 2)[:, :, None, :]
-    y = torch.einsum("bhts,bshp->bthp", m, x.float())
-    if initial_states is not None:
-        y = y + torch.exp(atree).transpose(1, 2)[..., None] * torch.einsum(
-            "bthk,bhpk->bthp", Ch, initial_states.float())
+def _f32(t):
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _tree_scan_ref(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
+                   tables=None):
+    # Heads are laid out as (groups g, heads per group r) so B and C broadcast over r instead of
+    # being repeated; fp32 compute, casts only where the input is not fp32 already.
+    b, n, h, p = x.shape
+    g = B.shape[2]
+    r = h // g
+    mask_f, bias = tables if tables is not None else _scan_tables(mask)
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, n, h) fp32
+    # A_tree in (b, h, n) order: computed as (dt A)^T @ L^T so that it is contiguous and every
+    # tensor derived from it keeps a BLAS-friendly layout (a permuted one makes CPU bmm copy
+    # matrix by matrix)
+    at = torch.matmul((dt * _f32(A)).transpose(1, 2), mask_f.transpose(1, 2)).view(b, g, r, n)
+    # decay[t, s] = exp(A_tree[t] - A_tree[s]) on ancestors, 0 elsewhere (-inf added before exp)
+    decay = (at[..., :, None] - at[..., None, :]).add_(bias[:, None]).exp_()  # (b, g, r, n, n)
+    Cg = _f32(C).transpose(1, 2)  # (b, g, n, s)
+    cb = torch.matmul(Cg, _f32(B).permute(0, 2, 3, 1))  # (b, g, n, n)
+    m = decay.mul_(cb[:, :, None]).mul_(dt.transpose(1, 2).view(b, g, r, 1, n))
+    xg = _f32(x).view(b, n, g, r, p).permute(0, 2, 3, 1, 4)  # (b, g, r, n, p)
+    y = torch.matmul(m, xg)
+    if initial_states is not None:  # + exp(A_tree[t]) C[t] . h0
+        # one (n, s) @ (s, r * p) product per group: a broadcast batched matmul over r would
+        # run as r separate products
+        h0 = _f32(initial_states).view(b, g, r, p, -1).permute(0, 1, 4, 2, 3).reshape(b, g, -1, r * p)
+        init = torch.matmul(Cg, h0).view(b, g, n, r, p).transpose(2, 3)  # (b, g, r, n, p)
+        y.addcmul_(init, at.exp()[..., None])
     if D is not None:
-        y = y + x.float() * (D.float()[:, None] if D.dim() == 1 else D.float())
+        y.addcmul_(xg, _f32(D).view(g, r, 1, -1))
+    y = y.permute(0, 3, 1, 2, 4).reshape(b, n, h, p)
     if z is not None:
-        y = y * F.silu(z.float())
-    return y.to(x.dtype), dt
+        y = y * F.silu(_f32(z))
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), dt
 
 
+def _scan_tables(mask):
+    mask_f = mask.float()
+    return mask_f, torch.zeros_like(mask_f).masked_fill_(~mask, float("-inf"))[:, None]
 
 
 def tree_scan(x, dt, A, B, C, mask, *, D=None, z=None, dt_bias=None, dt_softplus=True,
-              dt_limit=NO_DT_LIMIT, initial_states=None, impl="auto"):
+              dt_limit=NO_DT_LIMIT, initial_states=None, impl="auto", tables=None):
     """SSD over a packed token tree from a committed state; writes no state.
 
     Args:
@@ -281,13 +301,19 @@ def tree_scan(x, dt, A, B, C, mask, *, D=None, z=None, dt_bias=None, dt_softplus
             applies only when dt_limit != (0, inf)).
         initial_states: (batch, heads, headdim, dstate) committed SSM state h0, or None (zero).
         impl: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "ref".
+        tables: ``TokenTree.scan_tables()`` (the mask as 0/1 and as 0/-inf), shared by every
+            layer of a tree; derived from ``mask`` when None. Used by the reference only.
     Returns:
         y: (batch, nodes, heads, headdim) in x.dtype, and dt_out: (batch, nodes, heads) fp32
         processed dt (what ``ssm_replay`` consumes).
     """
-    _check_args(x, dt, A, B, C, mask, D, z, dt_bias, initial_states)
-    run = _tree_scan_triton if use_triton(impl, x) else _tree_scan_ref
-    return run(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit, initial_states)
+    if debug_checks():
+        _check_args(x, dt, A, B, C, mask, D, z, dt_bias, initial_states)
+    if use_triton(impl, x):
+        return _tree_scan_triton(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit,
+                                 initial_states)
+    return _tree_scan_ref(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit,
+                          initial_states, tables)
 
 
 def tree_scan_ref(x, dt, A, B, C, mask, *, D=None, z=None, dt_bias=None, dt_softplus=True,

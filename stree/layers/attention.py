@@ -100,8 +100,10 @@ def tree_mask(tree, lengths: torch.Tensor, span: int) -> torch.Tensor:
 def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
     k = cache.k[:, :, :span]
     v = cache.v[:, :, :span]
+    q = q.transpose(1, 2)
     # enable_gqa: query head h reads K/V head h // (hq / hkv) without materialising repeated K/V
-    out = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask,
+    out = F.scaled_dot_product_attention(q if q.dtype == k.dtype else q.to(k.dtype), k, v,
+                                         attn_mask=mask,
                                          scale=scale_of(a),
                                          enable_gqa=a.num_heads != a.num_key_value_heads)
     return out.transpose(1, 2).flatten(2)  # (b, l, hq * d)
@@ -114,17 +116,58 @@ def _write(cache: AttentionLayerCache, k, v, pos):
     cache.v.scatter_(2, idx, v.transpose(1, 2).to(cache.v.dtype))
 
 
-def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, mask):
+def tree_tables(tree, lengths: torch.Tensor, span: int, adapters, nodes=None) -> dict:
+    """What every attention layer of one tree forward reuses, built once per tree: the mask
+    (:func:`tree_mask`), rotary positions ``lengths + depth``, scratch slots ``lengths + i`` (with
+    the row index for advanced indexing) and one set of rotation matrices per rotary
+    configuration among ``adapters`` (the model's attention adapters).
+
+    ``nodes (b, w)``: only these nodes are queried (level-by-level drafting): their mask rows,
+    positions and slots; the K/V of their ancestors must already sit in the scratch."""
+    rows = torch.arange(tree.batch_size, device=lengths.device)[:, None]
+    mask, depth = tree_mask(tree, lengths, span), tree.depth
+    if nodes is None:
+        nodes = torch.arange(tree.num_nodes, device=lengths.device)[None]
+    else:
+        mask = mask.gather(2, nodes[:, None, :, None].expand(-1, 1, -1, span))
+        depth = depth.gather(1, nodes)
+    positions = lengths[:, None] + depth
+    tables = dict(mask=mask, positions=positions, slots=(rows, lengths[:, None] + nodes))
+    for a in adapters:
+        if hasattr(a, "rotary_tables") and a.rotary_key not in tables:
+            tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))
+    return tables
+
+
+def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``(b, l, d, d)`` with ``x @ R == x * cos + roll(x, d/2) * sin`` (rotate-half RoPE; ``sin``
+    with its first half negated, both ``(b, l, 1, d)``): a tree's nodes are few, so one matmul
+    per tensor replaces three elementwise ops in every layer."""
+    d = cos.shape[-1]
+    return torch.diag_embed(cos[:, :, 0]) + torch.diag_embed(sin[:, :, 0]).roll(d // 2, dims=-2)
+
+
+def _rotate_by(x, rot):
+    """``x (b, l, heads, d) @ rot (b, l, d, d)`` in fp32, returned in x's dtype."""
+    out = torch.matmul(x if x.dtype == torch.float32 else x.float(), rot)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, shared: dict):
     """Attention output ``(b, n, d_model)`` for the tree nodes ``h (b, n, d_model)``.
 
-    ``span`` = max committed length + n (keys read), ``mask`` from :func:`tree_mask`.
+    ``span`` = max committed length + n (keys read); ``shared`` = :func:`tree_tables` of the tree.
     """
     q, k, v = a.project_qkv(h)
-    pos = lengths[:, None] + tree.depth
-    q, k = a.apply_rotary(q, k, pos)
-    n = tree.num_nodes
-    _write(cache, k, v, lengths[:, None] + torch.arange(n, device=h.device))
-    return a.o_proj(_attend(a, q, cache, span, mask)), AttentionActivations()
+    if hasattr(a, "rotary_tables"):
+        q, k = _rotate_by(q, shared[a.rotary_key]), _rotate_by(k, shared[a.rotary_key])
+    else:
+        q, k = a.apply_rotary(q, k, shared["positions"])
+    rows, slots = shared["slots"]
+    # (b, n, hkv, d) written at [b, :, slot]: advanced indices first, so no transpose is needed
+    cache.k[rows, :, slots] = k if k.dtype == cache.k.dtype else k.to(cache.k.dtype)
+    cache.v[rows, :, slots] = v if v.dtype == cache.v.dtype else v.to(cache.v.dtype)
+    return a.o_proj(_attend(a, q, cache, span, shared["mask"])), AttentionActivations()
 
 
 def prefill(a, h, cache: AttentionLayerCache, start: int):

@@ -14,11 +14,11 @@ from einops import rearrange
 from stree._mamba import mamba_ssm  # noqa: F401
 from mamba_ssm.modules.mamba2 import Mamba2
 from mamba_ssm.ops.triton.layernorm_gated import RMSNorm as RMSNormGated
-from mamba_ssm.ops.triton.layernorm_gated import rms_norm_ref as gated_rms_norm_ref
 
 from stree.cache import MambaActivations, MambaLayerCache
 from stree.kernels import tree_conv, tree_scan
 from stree.kernels.chunk_scan import chunk_scan
+from stree.layers.norm import gated_rms_norm
 
 
 class _Parts:
@@ -75,12 +75,42 @@ class _Parts:
 
 
 def _gated_norm(norm, y, z):
-    # mamba_ssm's gated RMSNorm is a Triton kernel; off-GPU use its own PyTorch reference
+    # mamba_ssm's gated RMSNorm is a Triton kernel; off-GPU the same math in a few torch ops
     if isinstance(norm, RMSNormGated) and not y.is_cuda:
-        return gated_rms_norm_ref(y, norm.weight, norm.bias, z=z, eps=norm.eps,
-                                  group_size=norm.group_size, norm_before_gate=norm.norm_before_gate,
-                                  upcast=True)
+        return gated_rms_norm(y, z, norm.weight, norm.bias, norm.eps, norm.group_size,
+                              norm.norm_before_gate)
     return norm(y, z)
+
+
+def constants(m) -> dict:
+    """Per-module tensors that do not change between steps (``A = -exp(A_log)`` in fp32, D in the
+    scan's layout, the conv weight as (c, w)), rebuilt only when a parameter is modified."""
+    # (inference tensors keep no version counter: their storage is the key)
+    key = tuple((t.data_ptr(), 0 if t.is_inference() else t._version)
+                for t in (m.A_log, m.D, m.conv1d.weight, m.dt_bias))
+    cached = getattr(m, "_stree_constants", None)
+    if cached is None or cached[0] != key:
+        parts = _Parts(m)
+        cached = (key, dict(parts=parts, A=-torch.exp(m.A_log.detach().float()),
+                            in_bias=_in_proj_bias(m),
+                            D=parts.D.detach(), conv_weight=m.conv1d.weight.detach()[:, 0],
+                            conv_bias=None if m.conv1d.bias is None else m.conv1d.bias.detach(),
+                            dt_limit=tuple(m.dt_limit)))
+        m._stree_constants = cached
+    return cached[1]
+
+
+def _in_proj_bias(m):
+    """``in_proj``'s bias with ``dt_bias`` added in the dt slice (the last ``nheads`` outputs), so
+    the projection adds it (one op less per layer); None where that would change the math (an
+    fp32 dt from a lower-precision projection: dt + dt_bias must be summed in fp32)."""
+    w = m.in_proj.weight
+    if w.dtype != torch.float32 or m.dt_bias.dtype != torch.float32:
+        return None
+    bias = (torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if m.in_proj.bias is None
+            else m.in_proj.bias.detach().clone())
+    bias[-m.dt_bias.shape[0]:] += m.dt_bias.detach()
+    return bias
 
 
 def is_mamba2(module) -> bool:
@@ -103,19 +133,24 @@ def tree_forward(m, u, state: MambaLayerCache, tree, impl: str = "auto"):
     Returns:
         ``(out (b, n, d_model), MambaActivations)`` — the latter is what replay needs.
     """
-    parts = _Parts(m)
-    z, xbc, dt, mlp_in = parts.split(m.in_proj(u))
-    w = m.conv1d.weight.shape[-1]
-    conv_out = tree_conv(xbc, state.conv_state, m.conv1d.weight.squeeze(1), m.conv1d.bias,
-                         tree.conv_window(w), activation="silu", impl=impl)
+    k = constants(m)
+    parts = k["parts"]
+    fold = k["in_bias"] is not None  # dt_bias added by the projection
+    proj = F.linear(u, m.in_proj.weight, k["in_bias"]) if fold else m.in_proj(u)
+    z, xbc, dt, mlp_in = parts.split(proj)
+    w, c = k["conv_weight"].shape[1], xbc.shape[-1]
+    conv_out = tree_conv(xbc, state.conv_state, k["conv_weight"], k["conv_bias"],
+                         tree.conv_window(w), activation="silu", impl=impl,
+                         gather_index=None if xbc.is_cuda else tree.conv_gather_index(w, c))
     x, B, C = parts.split_xbc(conv_out)
-    A = -torch.exp(m.A_log.float())
     z_scan = rearrange(z, "b l (h p) -> b l h p", p=m.headdim) if parts.z_in_scan else None
-    y, dt_proc = tree_scan(x, dt, A, B, C, tree.mask, D=parts.D, z=z_scan, dt_bias=m.dt_bias,
-                           dt_softplus=True, dt_limit=tuple(m.dt_limit),
-                           initial_states=state.ssm_state, impl=impl)
+    y, dt_proc = tree_scan(x, dt, k["A"], B, C, tree.mask, D=k["D"], z=z_scan,
+                           dt_bias=None if fold else m.dt_bias,
+                           dt_softplus=True, dt_limit=k["dt_limit"],
+                           initial_states=state.ssm_state, impl=impl,
+                           tables=None if x.is_cuda else tree.scan_tables())
     out = parts.finish(y, z, mlp_in)
-    return out, MambaActivations(xbc=xbc, x=x, dt=dt_proc, B=B, A=A)
+    return out, MambaActivations(xbc=xbc, x=x, dt=dt_proc, B=B, A=k["A"])
 
 
 def prefill(m, u, state: MambaLayerCache):
@@ -136,3 +171,18 @@ def prefill(m, u, state: MambaLayerCache):
                           initial_states=state.ssm_state, chunk_size=getattr(m, "chunk_size", 256))
     state.ssm_state.copy_(final)
     return parts.finish(y, z, mlp_in)
+
+
+def node_state(parent: MambaLayerCache, acts: MambaActivations):
+    """``(conv (B, c, w), ssm (B, h, p, s))``: the state after the single node of a one-node
+    tree forward from ``parent`` (its ``acts``): the recurrence ``h' = exp(dt A) h + dt x B^T``
+    and the conv window shifted by the node's raw input. New tensors; ``parent`` is unchanged."""
+    ssm = parent.ssm_state
+    Bn, h, p, s = ssm.shape
+    g = acts.B.shape[2]
+    dt = acts.dt[:, 0]  # (B, h) processed, fp32
+    dtx = (dt[..., None] * acts.x[:, 0]).view(Bn, g, h // g, p, 1)
+    upd = (dtx * acts.B[:, 0, :, None, None, :]).view(Bn, h, p, s)
+    new_ssm = torch.addcmul(upd, ssm, torch.exp(dt * acts.A)[..., None, None])
+    conv = torch.cat([parent.conv_state[:, :, 1:], acts.xbc[:, 0, :, None]], dim=2)
+    return conv, (new_ssm if new_ssm.dtype == ssm.dtype else new_ssm.to(ssm.dtype))

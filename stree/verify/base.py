@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from stree.kernels._common import debug_checks
 from stree.verify.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -94,17 +95,19 @@ class NodeStep:
 NodeRule = Callable[[NodeStep], "tuple[Tensor, Tensor]"]
 
 
-def children_table(parents: Tensor) -> Tensor:
+def children_table(parents: Tensor, max_children: int | None = None) -> Tensor:
     """Children of every node in index (= draft) order.
 
     parents: (b, n) int64 with parents[:, 0] == -1. Returns (b, n, c) int64 child node indices,
-    -1 padded, c = max number of children of any node (>= 1). One host sync (to size c).
+    -1 padded, c = max number of children of any node (>= 1): ``max_children`` when known on the
+    host (``TokenTree.max_children``), else one host sync to size it.
     """
     b, n = parents.shape
     nodes = torch.arange(n, device=parents.device)
     is_child = parents.unsqueeze(1) == nodes.view(1, n, 1)            # (b, parent, child)
-    count = is_child.sum(-1)
-    c = max(int(count.max()), 1)
+    if max_children is None:
+        max_children = int(is_child.sum(-1).max())
+    c = max(max_children, 1)
     slot = is_child.long().cumsum(-1) - 1                      # slot of child j under its parent
     table = torch.full((b, n, c + 1), -1, dtype=torch.long, device=parents.device)
     # Non-children write into the spare column c, which is dropped.
@@ -130,7 +133,9 @@ def validate(draft: Draft, target_logits: Tensor, need_q: bool) -> None:
         raise ValueError(f"draft.q has shape {tuple(draft.q.shape)} but target_logits has "
                          f"{tuple(target_logits.shape)}; they must match (same vocab v)")
     drafted = tokens[:, 1:]  # the root's token was committed earlier; only drafted ones index v
-    if n > 1 and bool(((drafted < 0) | (drafted >= v)).any()):
+    # a device read: only for trees whose tokens were not drafted by the library (or in debug)
+    trusted = getattr(draft.tree, "max_token", 0) is None and not debug_checks()
+    if n > 1 and not trusted and bool(((drafted < 0) | (drafted >= v)).any()):
         raise ValueError(f"drafted tokens must lie in [0, {v}) (the logits' vocab size)")
 
 
@@ -140,7 +145,7 @@ def walk(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
     tokens = tree.tokens.to(target_logits.device)
     parents = tree.parents.to(target_logits.device)
     b, n, _ = target_logits.shape
-    table = children_table(parents)
+    table = children_table(parents, getattr(tree, "max_children", None))
     rows = torch.arange(b, device=target_logits.device)
     steps = int(tree.max_depth) + 1
 

@@ -1,0 +1,30 @@
+"""Smoke run of ``bench/overhead.py --tiny`` (tiny random models, CPU, seconds): every call of a step
+is profiled, every layer type reports its op counts, and the result files carry device/commit/date."""
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+overhead = importlib.import_module("overhead")
+
+
+def test_overhead_tiny(tmp_path):
+    assert overhead.main(["--tiny", "--repeats", "1", "--step-tokens", "8", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("overhead_tiny_*.json")
+    rows = json.loads(path.read_text())
+    assert all(r["device"] and r["commit"] and r["date"] for r in rows)
+    calls = {(r["model"], r["call"]) for r in rows}
+    for n in (1, 13, 63):
+        assert ("target", f"tree_forward_{n}") in calls and ("draft", f"tree_forward_{n}") in calls
+    assert ("target", "verify_fig4a") in calls and ("pair", "generate_step") in calls
+    types = {t for r in rows for t in r["per_layer"]}
+    assert {"Mamba2", "Mamba2GQA", "MHA", "LlamaAttention"} <= types
+    assert all(v["ops"] > 0 and v["dispatches"] >= v["ops"] for r in rows for v in r["per_layer"].values())
+    assert all(r["wall_ms"] > 0 for r in rows if "wall_ms" in r)
+    step = next(r for r in rows if r["call"] == "generate_step")
+    assert step["host_syncs"] == pytest.approx(sum(step["sync_sites"].values()))

@@ -1,0 +1,80 @@
+"""Level-by-level drafting (``level_forward``: each node once, from its parent's materialised
+state) against the hybrid's own token-by-token decoding (``step``), over two rounds with ragged
+prompts, different trees per row, and accepted paths that end above and in the never-forwarded
+deepest level (run once by ``commit_draft``, no chain re-run)."""
+import pytest
+import torch
+
+import stree
+from stree.draft.base import commit_draft, forward_level
+from stree.tree import TokenTree
+from tests.test_model_hybrid import VOCAB, StepOracle, check_states, close, make_hybrid
+
+LEVELS = [(0, 1), (1, 3), (3, 5)]  # node ranges; nodes 5, 6 (depth 3) are never forwarded
+
+
+@pytest.mark.parametrize("attn_layers", [(), (1, 3)], ids=["mamba-only", "hybrid"])
+def test_levels_and_commit_match_step_decoding(attn_layers):
+    torch.manual_seed(0)
+    model = stree.patch(make_hybrid(attn_layers, seed=7))
+    cache = model.allocate_tree_cache(2, 64)
+    prompts = [[3, 9, 4], [7, 1, 2, 8, 5, 6]]
+    model.prefill([torch.tensor(p) for p in prompts], cache)
+    oracles = [StepOracle(model) for _ in prompts]
+    for o, p in zip(oracles, prompts):
+        o.feed(p)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 1, 3, 3]])
+    for paths in ([[0, 2, 4, 6], [0, 1]], [[0, 1, 3], [0, 1, 3, 5]]):
+        tree = TokenTree(torch.randint(0, VOCAB, (2, 7)), parents)
+        for s, e in LEVELS:
+            prefix = TokenTree(tree.tokens[:, :e], parents[:, :e])
+            logits = forward_level(model, cache, prefix, s, e, capacity=7)
+            for r in range(2):
+                close(logits[r], oracles[r].node_logits(tree, row=r)[s:e], f"row {r} nodes {s}:{e}")
+        before = [t.clone() for c in cache.layers.values() for t in vars(c).values()]
+        assert cache.seqlens == [o.cache.seqlen for o in oracles]
+        counts = [len(p) for p in paths]
+        path = torch.tensor([p + [-1] * (4 - len(p)) for p in paths])
+        # committed state untouched while drafting
+        assert all(torch.equal(a, t) for a, t in zip(
+            before, [t for c in cache.layers.values() for t in vars(c).values()]))
+        assert commit_draft(model, cache, tree, path, counts, depth=3)
+        for r in range(2):
+            oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
+            check_states(model, cache, oracles[r], row=r)
+
+
+def test_commit_refuses_a_path_below_the_forwarded_levels():
+    model = stree.patch(make_hybrid((1,), seed=3))
+    cache = model.allocate_tree_cache(1, 32)
+    model.prefill(torch.tensor([[1, 2]]), cache)
+    tree = TokenTree(torch.tensor([[4, 5, 6]]), [-1, 0, 1])
+    forward_level(model, cache, TokenTree(tree.tokens[:, :2], [-1, 0]), 0, 2, capacity=3)
+    with pytest.raises(ValueError, match="level_forward them first"):
+        cache.commit(torch.tensor([[0, 1, 2]]), [3])
+
+
+def test_mamba_ssm_levels_equal_tree_forward():
+    """mamba_ssm Mamba2 (heads sharing one B/C group) + MHA: level logits and committed states
+    equal those of one tree_forward + commit (itself checked against Mamba2.step elsewhere)."""
+    from tests.test_model_mamba2 import make_model
+    model = stree.patch(make_model(seed=2, n_layer=3, attn_layer_idx=(1,)))
+    caches = [model.allocate_tree_cache(2, 32) for _ in range(2)]
+    for c in caches:
+        model.prefill(torch.tensor([[5, 6, 7], [8, 9, 10]]), c)
+    parents = [-1, 0, 0, 1, 2, 3, 4]
+    tree = TokenTree(torch.randint(0, 61, (2, 7)), parents)
+    full = model.tree_forward(tree, caches[0])
+    for s, e in LEVELS:
+        logits = forward_level(model, caches[1], TokenTree(tree.tokens[:, :e], parents[:e]), s, e, 7)
+        close(logits, full[:, s:e], f"nodes {s}:{e}")
+    path, counts = torch.tensor([[0, 2, 4, 6], [0, 1, -1, -1]]), [4, 2]
+    caches[0].commit(path, counts)
+    assert commit_draft(model, caches[1], tree, path, counts, depth=3)
+    assert caches[0].seqlens == caches[1].seqlens == [7, 5]
+    for i, layer in caches[0].layers.items():
+        for name, t in vars(layer).items():
+            for r, n in enumerate(caches[0].seqlens):  # K/V: the committed positions only
+                ref = t[r] if name.endswith("state") else t[r, :, :n]
+                got = getattr(caches[1].layers[i], name)[r]
+                close(got if name.endswith("state") else got[:, :n], ref, f"layer {i} {name} row {r}")
