@@ -103,7 +103,10 @@ def constants(m) -> dict:
 def _in_proj_bias(m):
     """``in_proj``'s bias with ``dt_bias`` added in the dt slice (the last ``nheads`` outputs), so
     the projection adds it (one op less per layer); None where that would change the math (an
-    fp32 dt from a lower-precision projection: dt + dt_bias must be summed in fp32)."""
+    fp32 dt from a lower-precision projection: dt + dt_bias must be summed in fp32; an ``in_proj``
+    that is more than a Linear, e.g. Falcon-H1's multipliers)."""
+    if not isinstance(m.in_proj, torch.nn.Linear):
+        return None
     w = m.in_proj.weight
     if w.dtype != torch.float32 or m.dt_bias.dtype != torch.float32:
         return None
