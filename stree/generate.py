@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
+from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
-from stree.verify import SamplingConfig, default_verifier, get_verifier, sample_from, target_probs
+from stree.verify import default_verifier, get_verifier
 
 METHODS = ("tree", "chain", "ar", "unrolled")
 DEFAULT_DRAFTERS = {"tree": "static:fig4a", "unrolled": "static:fig4a", "chain": "chain:4"}

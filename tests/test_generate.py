@@ -8,7 +8,8 @@ from scipy.stats import chisquare
 
 from stree.draft import parse_drafter
 from stree.generate import generate, resolve
-from stree.verify import MSSVerifier, SamplingConfig
+from stree.sampling import SamplingConfig
+from stree.verify import MSSVerifier
 from tests.fakes import FakeCache, FakeLM, greedy_reference, target_probs_of_prefix
 
 V = 23

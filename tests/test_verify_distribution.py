@@ -17,8 +17,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.tree import TokenTree
-from stree.verify import Draft, SamplingConfig, get_verifier, sample_from, target_probs
+from stree.verify import get_verifier
 from stree.verify.base import NodeStep, walk
 
 V = 4

@@ -15,14 +15,15 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from stree.verify import Draft, SamplingConfig, sample_from, target_probs
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
 
 # Modes a drafter with sampled children can run in, see ``Draft.mode``.
 SAMPLED_MODES = ("without_replacement", "iid")
 
 
 class Drafter(ABC):
-    """Builds a :class:`stree.verify.Draft` of a fixed size with a patched draft model.
+    """Builds a :class:`stree.draft_types.Draft` of a fixed size with a patched draft model.
 
     Attributes (fixed per drafter, so the loop can size caches and buffers up front):
         mode: the ``Draft.mode`` it produces (a static drafter's None: chosen per sampling

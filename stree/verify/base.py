@@ -1,4 +1,4 @@
-"""Speculative-decoding data types, the verifier protocol and registry, and the shared tree walk.
+"""The verdict type, the verifier protocol and registry, and the shared tree walk.
 
 Every verifier walks the drafted tree from the root: at the current node ``u`` it looks at the
 target logits after the root-to-``u`` path and at ``u``'s children (draft order = index order), and
@@ -10,40 +10,13 @@ The walk is batched over rows and has a static trip count (``max_depth + 1`` nod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from stree.verify.sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    from stree.tree import TokenTree
-
-DRAFT_MODES = ("deterministic", "iid", "without_replacement", "chain")
-
-
-@dataclass
-class Draft:
-    """A drafted token tree and how its children were chosen.
-
-    tree: ``stree.tree.TokenTree`` with tokens (b, n); node 0 is the root (last committed token).
-    q: (b, n, v) or None. ``q[b, i]`` is the exact distribution node i's children were drawn from
-        (after the drafter's own temperature / top-k / top-p; verifiers never re-transform it).
-        Rows of leaves are unused. Needed by ``mss`` and ``sps`` at temperature > 0.
-    mode: how children were chosen, one of ``DRAFT_MODES``:
-        "deterministic" (top-k / static / beam: chosen, not sampled), "iid" (i.i.d. with
-        replacement from q), "without_replacement" (sequentially, without replacement, from q
-        renormalised; draft order = sampling order), "chain" (one sampled path; iid with one child).
-    """
-
-    tree: "TokenTree"
-    q: Tensor | None
-    mode: str
-
-    def __post_init__(self):
-        if self.mode not in DRAFT_MODES:
-            raise ValueError(f"unknown draft mode {self.mode!r}; expected one of {DRAFT_MODES}")
+from stree.draft_types import DRAFT_MODES, Draft
+from stree.sampling import SamplingConfig
 
 
 @dataclass

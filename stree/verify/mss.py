@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stree.verify.base import Draft, NodeStep, Verdict, validate, walk
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.verify.base import NodeStep, Verdict, validate, walk
 from stree.verify.greedy import greedy_rule
-from stree.verify.sampling import SamplingConfig, sample_from, target_probs
 
 # Below this total variation (R - q)+ is treated as empty. A rejection there has probability
 # <= _RESIDUAL_EPS, so keeping R instead costs at most that much in distribution.

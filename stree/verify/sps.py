@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stree.verify.base import Draft, Verdict, validate, walk
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig
+from stree.verify.base import Verdict, validate, walk
 from stree.verify.greedy import greedy_rule
 from stree.verify.mss import mss_rule
-from stree.verify.sampling import SamplingConfig
 
 
 def _is_chain(parents: Tensor) -> bool:
