@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", default=None,
                    help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... "
                         "(default: fig4a; chain:4 for --method chain)")
-    g.add_argument("--verifier", default=None, choices=["greedy", "mss", "naive", "sps"],
+    g.add_argument("--verifier", default=None, choices=["greedy", "mss", "naive", "sps", "asps"],
                    help="default: the lossless one for the sampling config and drafter")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -63,7 +63,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         eos_token_id: a row stops after emitting it (or any of a list).
         drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
             ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method.
-        verifier: "greedy" | "mss" | "naive" | "sps" | a verifier object; None picks the lossless
+        verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | a verifier object; None picks the lossless
             default for the sampling config and draft mode.
         method: "tree" | "chain" | "ar" | "unrolled" (see the module docstring).
         generator: torch.Generator for all sampling (drafts and verification).
@@ -132,8 +132,9 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
         ranked = sorted(modes, key=lambda m: m != "deterministic")
         mode = next((m for m in ranked if _accepts(verifier, m, sampling)), modes[0])
     verifier.check(mode, sampling)  # raises ValueError for a non-lossless pair
-    if getattr(verifier, "name", None) == "sps" and drafter.num_nodes != drafter.depth + 1:
-        raise ValueError(f"the 'sps' verifier needs a chain drafter, got {drafter.name!r}; "
+    name = getattr(verifier, "name", None)
+    if name in ("sps", "asps") and drafter.num_nodes != drafter.depth + 1:
+        raise ValueError(f"the {name!r} verifier needs a chain drafter, got {drafter.name!r}; "
                          "use 'mss' or 'naive' for trees")
     return drafter.with_mode(mode), verifier
 

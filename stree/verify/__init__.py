@@ -1,4 +1,5 @@
-"""Verifiers for speculative tree decoding: greedy, mss (SpecInfer / DySpec), naive, sps."""
+"""Verifiers for speculative tree decoding: greedy, mss (SpecInfer / DySpec), naive, sps, asps."""
+from stree.verify.asps import ASpSVerifier
 from stree.verify.base import Verdict, Verifier, default_verifier, get_verifier
 from stree.verify.greedy import GreedyVerifier
 from stree.verify.mss import MSSVerifier
@@ -7,5 +8,5 @@ from stree.verify.sps import SpSVerifier
 
 __all__ = [
     "Verdict", "Verifier", "default_verifier", "get_verifier", "GreedyVerifier", "MSSVerifier",
-    "NaiveVerifier", "SpSVerifier",
+    "NaiveVerifier", "SpSVerifier", "ASpSVerifier",
 ]

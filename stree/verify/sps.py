@@ -28,7 +28,7 @@ class SpSVerifier:
     def check(self, draft_mode: str, sampling: SamplingConfig) -> None:
         if draft_mode != "chain" and not sampling.is_greedy:
             raise ValueError(
-                f"the 'sps' verifier needs a sampled chain (draft mode 'chain'), got "
+                f"the {self.name!r} verifier needs a sampled chain (draft mode 'chain'), got "
                 f"{draft_mode!r} at {sampling}; use 'mss' for sampled trees or 'naive' for "
                 "deterministic ones")
 
