@@ -238,10 +238,6 @@ NEGATIVE = {
     # deterministic top-k children passed off as i.i.d. samples to MSS
     "mss_on_deterministic_topk_children":
         dict(mode="deterministic", label="iid", widths=(2, 2), verify=run_verifier("mss", T1)),
-    # i.i.d. children (duplicates possible) verified with the without-replacement update
-    "mss_without_replacement_rule_on_iid_children":
-        dict(mode="iid", label="without_replacement", widths=(3, 2),
-             verify=run_verifier("mss", T1)),
     "sps_resample_from_p_on_reject":
         dict(mode="chain", label="chain", widths=(1, 1),
              verify=_buggy(_resample_from_p_on_reject, T1)),
@@ -254,6 +250,18 @@ NEGATIVE = {
         dict(mode="iid", label="iid", widths=(3, 2), verify=run_verifier("mss", T1),
              q_seen=lambda q: target_probs(q.log(), SamplingConfig(0.7))),
 }
+
+
+def test_without_replacement_rule_skips_copies_of_rejected_siblings():
+    """A child q gives probability 0 is skipped (R and q unchanged): what makes a dynamic
+    drafter's padding (copies of a sibling) inert. It also makes i.i.d. children lossless under
+    the without-replacement rule: their distinct tokens, in order, are a sequential sample
+    without replacement, and each repeat is a copy of a rejected sibling."""
+    m = make_models(seed=11, peaked_q=True)
+    counts = simulate(m, (3, 2), "iid", run_verifier("mss", T1), seed=5, sampling=T1,
+                      label_mode="without_replacement")
+    p = pvalues(counts, exact_triples(m, T1))
+    assert min(p.values()) > ALPHA, p
 
 
 @pytest.mark.parametrize("bug", list(NEGATIVE))
