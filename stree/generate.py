@@ -209,11 +209,13 @@ class _DraftSide:
             _prefill(self.model, self.cache, prompts)
 
     def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
-        self.stats.draft_calls += self.drafter.depth
-        return self.drafter.draft(self.model, self.cache, roots, sampling, generator)
+        d = self.drafter.draft(self.model, self.cache, roots, sampling, generator)
+        self.stats.draft_calls += self.drafter.depth  # a dynamic drafter's depth is per draft
+        return d
 
     def commit(self, tree: TokenTree, path: Tensor) -> None:
         """Advance the draft along the target's accepted ``path`` (b, k), -1 padded."""
+        self.drafter.observe(tree, path)
         if self.model is None:
             return
         if int(path.max()) < self.drafter.num_forwarded:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.tree import TokenTree
 
 # Modes a drafter with sampled children can run in, see ``Draft.mode``.
 SAMPLED_MODES = ("without_replacement", "iid")
@@ -68,6 +69,11 @@ class Drafter(ABC):
             raise ValueError(f"{type(self).__name__} only drafts {self.mode!r} trees, not {mode!r}")
         return self
 
+    def observe(self, tree: TokenTree, path: Tensor) -> None:
+        """Feedback after verification: ``path (b, k)`` the accepted node indices of ``tree``
+        (root first, -1 padded; rows that finished are all -1). Drafters that tune themselves
+        online from the acceptance history override it."""
+
     @abstractmethod
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None) -> Draft:
@@ -112,3 +118,9 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
         return (q / e.clamp_min(torch.finfo(q.dtype).tiny)).topk(count, dim=-1).indices, q
     raise ValueError(f"unknown draft mode {mode!r}")
 
+
+def level_logits(model, cache, tree: TokenTree, start: int) -> Tensor:
+    """Draft logits ``(b, n - start, v)`` of nodes ``start..n-1`` of the partial tree ``tree``
+    (``n`` nodes; nodes before ``start`` were forwarded by earlier calls of this draft): the one
+    place dynamic drafters run the draft model, once per tree level."""
+    return model.tree_forward(tree, cache)[:, start:]

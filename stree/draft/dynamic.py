@@ -1,0 +1,231 @@
+"""Dynamic trees: grown round by round from the draft's own probabilities, a shape per batch row.
+
+Shared machinery of the DySpec and DynaTree drafters (``dyspec.py``, ``dynatree.py``); they differ
+only in their *rule*, which picks the slots that become nodes in a round.
+
+Slots. Once the draft has run over node ``u`` it has ``K`` ordered candidate children: mode
+``"without_replacement"`` draws them as one sequential sample without replacement from
+``q_u = target_probs(draft logits, sampling)`` (DySpec's residual sampling: taking the first ``k``
+is exactly sampling ``k`` siblings one after another); ``"deterministic"`` ranks the draft's
+tokens (DynaTree's top-B, DySpec at temperature 0). Slot ``(u, k)`` is "u's k-th child". Every
+node carries ``a_u``, the product of draft probabilities along its path (root 1): DySpec's and
+DynaTree's path probability. ``d_u`` is the draft distribution the values are read from: ``q_u``
+for sampled children, the draft's softmax at temperature 1 for ranked ones.
+
+Round. (1) One draft ``tree_forward`` over the tree so far (:func:`level_logits`; only the nodes of
+the previous round are new) gives the candidates of those nodes. (2) The rule marks the slots to
+take and orders them. (3) The taken slots become nodes, appended in that order. A rule may stop
+taking slots as soon as it would need candidates of nodes not run yet: the next round runs them.
+So the draft runs once per round, and a tree of depth D needs at least D rounds; ``max_depth``
+caps the rounds (the last round's nodes are leaves).
+
+Layout. Nodes are appended round by round, so indices are topological, siblings keep their draft
+order, and the nodes of one round are one index range shared by every row. A row that takes fewer
+slots than the widest row of its round fills the range with padding: copies of node 1 (the root's
+first child) hanging from the root. No verifier can accept a padding node: greedy and naive
+verification take the *first* child carrying a token, and MSS skips a child whose residual q gives
+it probability 0 (node 1's token once node 1 was rejected). In batch 1 there is no padding; in a
+batch a row's real nodes can fall short of the budget by the padding it receives (the node count
+never exceeds ``1 + budget``). The draft's last run covered every node but the last round's, so
+``num_forwarded`` and ``depth`` (rounds run) describe the latest draft.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from stree.draft.base import Drafter, level_logits, pick_children
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig
+from stree.tree import TokenTree
+
+
+@dataclass
+class Slots:
+    """What a rule sees in a round, for the ``F`` nodes run so far (``(b, F)`` / ``(b, F, K)``).
+
+    a: path probability of each node; depth: its depth; fresh: run for the first time this round;
+    open: slots still free (real node, not taken yet, candidate probability > 0); prob: ``d_u`` of
+    each ordered candidate; last: True in the last allowed round (its nodes stay leaves).
+    """
+
+    a: Tensor
+    depth: Tensor
+    fresh: Tensor
+    open: Tensor
+    prob: Tensor
+    last: bool
+
+    @property
+    def slot_value(self) -> Tensor:
+        """DySpec's slot value ``a_u * (1 - sum of d_u over the earlier siblings)`` (b, F, K): the
+        estimated probability that the slot's child is reached and tested."""
+        earlier = self.prob.cumsum(-1) - self.prob
+        return self.a.unsqueeze(-1) * (1 - earlier).clamp_min(0)
+
+    @property
+    def child_value(self) -> Tensor:
+        """Path probability ``a_u * d_u(token)`` of the node each slot would create (b, F, K)."""
+        return self.a.unsqueeze(-1) * self.prob
+
+    def fifo(self) -> Tensor:
+        """Key for breadth-first order: earlier nodes first, then draft order (b, F, K)."""
+        b, F, K = self.prob.shape
+        return -torch.arange(F * K, device=self.prob.device, dtype=torch.float32).view(1, F, K)
+
+
+@dataclass
+class LastDraft:
+    """Mutable record of the latest draft: draft runs (rounds) and nodes the last run covered."""
+
+    depth: int
+    num_forwarded: int = 0
+
+
+@dataclass(eq=False)
+class DynamicTreeDrafter(Drafter):
+    """Base of the dynamic drafters: ``budget`` nodes below the root at most, ``max_depth`` rounds.
+
+    Subclasses set ``candidates`` (K, children per node at most) and implement :meth:`select`.
+    """
+
+    budget: int
+    max_depth: int
+    mode: str | None = None
+    _last: LastDraft = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if int(self.budget) < 1:
+            raise ValueError(f"{self.name}: node budget must be >= 1, got {self.budget}")
+        if int(self.max_depth) < 1:
+            raise ValueError(f"{self.name}: max depth must be >= 1, got {self.max_depth}")
+        if self.mode is not None and self.mode not in self.all_modes:
+            raise ValueError(f"{self.name} drafts {self.all_modes} trees, not {self.mode!r}")
+        self._last = LastDraft(depth=int(self.max_depth))
+
+    # --------------------------------------------------------------------------- to implement
+    # Modes this rule can draft, ranked children first (class attribute).
+    all_modes = ("deterministic",)
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def candidates(self) -> int:
+        """K: ordered candidate children kept per node."""
+
+    @abstractmethod
+    def select(self, slots: Slots) -> tuple[Tensor, Tensor]:
+        """Rule of one round: ``(key, take)`` (b, F, K); slots with ``take`` become nodes in
+        decreasing ``key`` order (ties: index order), cut at the remaining budget. Only open
+        slots are taken."""
+
+    def wants_round(self, a: Tensor, depth: Tensor, fresh: Tensor) -> bool:
+        """Whether running the draft over the ``fresh`` nodes can add any node (b, F) tensors; a
+        rule that prunes on path probability answers from ``a`` without running the draft."""
+        return True
+
+    # --------------------------------------------------------------------------------- shape
+    @property
+    def num_nodes(self) -> int:
+        return 1 + int(self.budget)
+
+    @property
+    def depth(self) -> int:
+        return self._last.depth
+
+    @property
+    def num_forwarded(self) -> int:
+        return self._last.num_forwarded
+
+    @property
+    def max_leaves(self) -> int:
+        return int(self.budget)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return True
+
+    def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
+        if self.mode is not None:
+            return (self.mode,)
+        if sampling.is_greedy or "without_replacement" not in self.all_modes:
+            return self.all_modes  # ranked children at T = 0: sampled ones would all be the argmax
+        return ("without_replacement",) + tuple(m for m in self.all_modes
+                                               if m != "without_replacement")
+
+    def with_mode(self, mode: str) -> "DynamicTreeDrafter":
+        if mode == self.mode:
+            return self
+        if self.mode is not None or mode not in self.all_modes:
+            raise ValueError(f"{self.name} drafts {self.modes(SamplingConfig())} trees, not {mode!r}")
+        return replace(self, mode=mode)
+
+    # --------------------------------------------------------------------------------- draft
+    def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
+              generator: torch.Generator | None = None) -> Draft:
+        mode = self.modes(sampling)[0]
+        dev, b, cap = roots.device, roots.shape[0], self.num_nodes
+        tokens = torch.zeros(b, cap, dtype=torch.long, device=dev)
+        tokens[:, 0] = roots
+        parents = torch.full((b, cap), -1, dtype=torch.long, device=dev)
+        depth = torch.zeros(b, cap, dtype=torch.long, device=dev)
+        a = torch.zeros(b, cap, device=dev)
+        a[:, 0] = 1.0
+        real = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+        real[:, 0] = True
+        taken = torch.zeros(b, cap, dtype=torch.long, device=dev)
+        cand_tok = torch.zeros(b, cap, 0, dtype=torch.long, device=dev)
+        cand_p = torch.zeros(b, cap, 0, device=dev)
+        q = None
+        e, fwd, rounds = 1, 0, 0
+        while rounds < self.max_depth and e < cap:
+            fresh = torch.zeros(b, e, dtype=torch.bool, device=dev)
+            fresh[:, fwd:] = real[:, fwd:e]
+            if rounds and not self.wants_round(a[:, :e], depth[:, :e], fresh):
+                break
+            logits = level_logits(model, cache, TokenTree(tokens[:, :e], parents[:, :e]), fwd)
+            rounds += 1
+            K = min(self.candidates, logits.shape[-1])
+            picks, probs = pick_children(logits, K, mode, sampling, generator)
+            if q is None:
+                q = torch.zeros(b, cap, logits.shape[-1], dtype=torch.float32, device=dev)
+                cand_tok = torch.zeros(b, cap, K, dtype=torch.long, device=dev)
+                cand_p = torch.zeros(b, cap, K, device=dev)
+            q[:, fwd:e] = probs
+            dist = probs if mode != "deterministic" else logits.float().softmax(-1)
+            cand_tok[:, fwd:e] = picks
+            cand_p[:, fwd:e] = dist.gather(-1, picks)
+            fwd = e
+            ks = torch.arange(K, device=dev)
+            open_ = real[:, :e, None] & (ks >= taken[:, :e, None]) & (cand_p[:, :e] > 0)
+            slots = Slots(a=a[:, :e], depth=depth[:, :e], fresh=fresh, open=open_,
+                          prob=cand_p[:, :e], last=rounds == self.max_depth)
+            key, take = self.select(slots)
+            take = take & open_
+            count = take.flatten(1).sum(1).clamp(max=cap - e)
+            width = int(count.max())  # host sync: the size of this round
+            if width == 0:
+                break
+            key = key.float().masked_fill(~take, float("-inf")).flatten(1)
+            order = key.sort(dim=1, descending=True, stable=True).indices[:, :width]
+            valid = torch.arange(width, device=dev) < count.unsqueeze(1)
+            u = order // K
+            new_tok = cand_tok[:, :e].flatten(1).gather(1, order)
+            # Padding copies node 1, which in the first round is each row's first new node.
+            pad = new_tok[:, :1] if e == 1 else tokens[:, 1:2]
+            span = slice(e, e + width)
+            tokens[:, span] = torch.where(valid, new_tok, pad)
+            parents[:, span] = torch.where(valid, u, 0)
+            a[:, span] = torch.where(valid, a.gather(1, u) * cand_p[:, :e].flatten(1).gather(1, order), 0.0)
+            depth[:, span] = torch.where(valid, depth.gather(1, u) + 1, 1)
+            real[:, span] = valid
+            taken.scatter_add_(1, u, valid.long())
+            e += width
+        self._last = LastDraft(depth=rounds, num_forwarded=fwd)
+        return Draft(TokenTree(tokens[:, :e], parents[:, :e]), q[:, :e], mode)
