@@ -82,6 +82,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     drafter, verifier = resolve(method, drafter, verifier, sampling)
     if drafter.uses_draft_model:
         _check_vocab(target, draft)
+        drafter.prepare(target, draft)
     device = _device(target)
     prompts = _as_prompts(input_ids, device)
     if max_new_tokens < 0:

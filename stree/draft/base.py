@@ -69,6 +69,10 @@ class Drafter(ABC):
             raise ValueError(f"{type(self).__name__} only drafts {self.mode!r} trees, not {mode!r}")
         return self
 
+    def prepare(self, target, draft) -> None:
+        """Called once by ``generate`` before decoding with the patched target and draft models
+        (a drafter that measures them, like ``auto``, does it here)."""
+
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         """Feedback after verification: ``path (b, k)`` the accepted node indices of ``tree``
         (root first, -1 padded; rows that finished are all -1). Drafters that tune themselves

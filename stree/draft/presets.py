@@ -4,7 +4,8 @@ Spec strings: ``"chain:K"``, ``"static:NAME"`` (NAME in :data:`STATIC_TREES`), `
 (layer widths), either static form with a ``":MODE"`` suffix (``"static:fig4a:iid"``),
 ``"beam:NxM"`` (N steps, M beams), or a bare static name (``"fig4a"``, ``"A"``). Dynamic trees
 (a shape per step and row, see ``dyspec.py`` and ``dynatree.py``): ``"dyspec:N[:D]"``,
-``"dyspec-threshold:T[:N[:D]]"``, ``"dynatree:DxB:N[:TAU]"``, ``"dynatree2[:N]"``.
+``"dyspec-threshold:T[:N[:D]]"``, ``"dynatree:DxB:N[:TAU]"``, ``"dynatree2[:N]"``; ``"auto"``
+picks among chains, static presets and DySpec budgets by predicted tokens/s (``auto.py``).
 
 The paper gives the static trees only as images (Fig. 4a, appendix Fig. 5) and Table 3's numbers
 (max width, depth below the root, tokens with the root). The shapes chosen here match those numbers
@@ -46,7 +47,7 @@ STATIC_TREES: dict[str, tuple[int, ...]] = {
 _MODES = ("deterministic", "iid", "without_replacement")
 _HELP = ("expected 'chain:K', 'static:NAME' or 'static:W1,W2,...' (optionally ':MODE'), "
          "'beam:NxM', 'dyspec:N[:D]', 'dyspec-threshold:T[:N[:D]]', 'dynatree:DxB:N[:TAU]', "
-         f"'dynatree2[:N]', or a bare static name; NAME in {sorted(STATIC_TREES)}, "
+         f"'dynatree2[:N]', 'auto', or a bare static name; NAME in {sorted(STATIC_TREES)}, "
          f"MODE in {list(_MODES)}")
 _NUM = r"(\d+(?:\.\d*)?(?:e-?\d+)?)"
 
@@ -71,6 +72,10 @@ def parse_drafter(spec: str | Drafter) -> Drafter:
     if kind == "dynatree" and (m := re.fullmatch(r"(\d+)x(\d+):(\d+)(?::" + _NUM + ")?", rest)):
         return DynaTreeDrafter(int(m[3]), int(m[1]), branch=int(m[2]),
                                tau=float(m[4]) if m[4] else 0.05)
+    if kind == "auto" and not rest:
+        from stree.draft.auto import AutoDrafter  # auto's candidates are parsed here too
+
+        return AutoDrafter()
     if kind == "dynatree2" and (m := re.fullmatch(r"(\d*)", rest)):
         return DynaTree2Drafter(int(m[1] or 32))
     if kind == "static" and rest:
