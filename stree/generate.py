@@ -63,8 +63,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         eos_token_id: a row stops after emitting it (or any of a list).
         drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
             ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method.
-        verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | a verifier object; None picks the lossless
-            default for the sampling config and draft mode.
+        verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | a verifier object; None picks the
+            lossless default for the sampling config and draft mode.
         method: "tree" | "chain" | "ar" | "unrolled" (see the module docstring).
         generator: torch.Generator for all sampling (drafts and verification).
         streamer: object with ``put(tokens)`` / ``end()`` (mamba_ssm / Hugging Face style): gets the

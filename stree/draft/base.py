@@ -34,6 +34,8 @@ class Drafter(ABC):
         num_forwarded: leading nodes covered by the last draft ``tree_forward`` (all but the
             deepest layer); 0 when the drafter never calls the draft model.
         max_leaves: upper bound on root-to-leaf paths of any tree it builds.
+    Dynamic drafters (``dynamic.py``) build trees of at most ``num_nodes`` nodes and report the
+    ``depth`` and ``num_forwarded`` of their latest draft.
     """
 
     mode: str

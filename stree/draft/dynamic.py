@@ -170,62 +170,117 @@ class DynamicTreeDrafter(Drafter):
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None) -> Draft:
         mode = self.modes(sampling)[0]
-        dev, b, cap = roots.device, roots.shape[0], self.num_nodes
+        tree, rounds = GrowingTree.start(roots, self.num_nodes), 0
+        while rounds < self.max_depth and tree.size < self.num_nodes:
+            fresh = tree.fresh()
+            if rounds and not self.wants_round(tree.a[:, :tree.size], tree.depth[:, :tree.size],
+                                               fresh):
+                break
+            logits = level_logits(model, cache, tree.partial(), tree.forwarded)
+            rounds += 1
+            tree.add_candidates(logits, min(self.candidates, logits.shape[-1]), mode, sampling,
+                                generator)
+            key, take = self.select(tree.slots(fresh, last=rounds == self.max_depth))
+            if not tree.append(key, take):
+                break
+        self._last = LastDraft(depth=rounds, num_forwarded=tree.forwarded)
+        return tree.as_draft(mode)
+
+
+@dataclass
+class GrowingTree:
+    """A batch of trees being grown: ``(b, cap)`` node tables, ``size`` nodes so far, the first
+    ``forwarded`` of them run by the draft, whose ordered candidates are ``cand_tok`` /
+    ``cand_p`` ``(b, cap, K)`` and distributions ``q`` ``(b, cap, v)``."""
+
+    tokens: Tensor
+    parents: Tensor
+    depth: Tensor
+    a: Tensor
+    real: Tensor
+    taken: Tensor
+    cand_tok: Tensor | None = None
+    cand_p: Tensor | None = None
+    q: Tensor | None = None
+    size: int = 1
+    forwarded: int = 0
+
+    @classmethod
+    def start(cls, roots: Tensor, cap: int) -> "GrowingTree":
+        b, dev = roots.shape[0], roots.device
         tokens = torch.zeros(b, cap, dtype=torch.long, device=dev)
         tokens[:, 0] = roots
-        parents = torch.full((b, cap), -1, dtype=torch.long, device=dev)
-        depth = torch.zeros(b, cap, dtype=torch.long, device=dev)
         a = torch.zeros(b, cap, device=dev)
         a[:, 0] = 1.0
         real = torch.zeros(b, cap, dtype=torch.bool, device=dev)
         real[:, 0] = True
-        taken = torch.zeros(b, cap, dtype=torch.long, device=dev)
-        cand_tok = torch.zeros(b, cap, 0, dtype=torch.long, device=dev)
-        cand_p = torch.zeros(b, cap, 0, device=dev)
-        q = None
-        e, fwd, rounds = 1, 0, 0
-        while rounds < self.max_depth and e < cap:
-            fresh = torch.zeros(b, e, dtype=torch.bool, device=dev)
-            fresh[:, fwd:] = real[:, fwd:e]
-            if rounds and not self.wants_round(a[:, :e], depth[:, :e], fresh):
-                break
-            logits = level_logits(model, cache, TokenTree(tokens[:, :e], parents[:, :e]), fwd)
-            rounds += 1
-            K = min(self.candidates, logits.shape[-1])
-            picks, probs = pick_children(logits, K, mode, sampling, generator)
-            if q is None:
-                q = torch.zeros(b, cap, logits.shape[-1], dtype=torch.float32, device=dev)
-                cand_tok = torch.zeros(b, cap, K, dtype=torch.long, device=dev)
-                cand_p = torch.zeros(b, cap, K, device=dev)
-            q[:, fwd:e] = probs
-            dist = probs if mode != "deterministic" else logits.float().softmax(-1)
-            cand_tok[:, fwd:e] = picks
-            cand_p[:, fwd:e] = dist.gather(-1, picks)
-            fwd = e
-            ks = torch.arange(K, device=dev)
-            open_ = real[:, :e, None] & (ks >= taken[:, :e, None]) & (cand_p[:, :e] > 0)
-            slots = Slots(a=a[:, :e], depth=depth[:, :e], fresh=fresh, open=open_,
-                          prob=cand_p[:, :e], last=rounds == self.max_depth)
-            key, take = self.select(slots)
-            take = take & open_
-            count = take.flatten(1).sum(1).clamp(max=cap - e)
-            width = int(count.max())  # host sync: the size of this round
-            if width == 0:
-                break
-            key = key.float().masked_fill(~take, float("-inf")).flatten(1)
-            order = key.sort(dim=1, descending=True, stable=True).indices[:, :width]
-            valid = torch.arange(width, device=dev) < count.unsqueeze(1)
-            u = order // K
-            new_tok = cand_tok[:, :e].flatten(1).gather(1, order)
-            # Padding copies node 1, which in the first round is each row's first new node.
-            pad = new_tok[:, :1] if e == 1 else tokens[:, 1:2]
-            span = slice(e, e + width)
-            tokens[:, span] = torch.where(valid, new_tok, pad)
-            parents[:, span] = torch.where(valid, u, 0)
-            a[:, span] = torch.where(valid, a.gather(1, u) * cand_p[:, :e].flatten(1).gather(1, order), 0.0)
-            depth[:, span] = torch.where(valid, depth.gather(1, u) + 1, 1)
-            real[:, span] = valid
-            taken.scatter_add_(1, u, valid.long())
-            e += width
-        self._last = LastDraft(depth=rounds, num_forwarded=fwd)
-        return Draft(TokenTree(tokens[:, :e], parents[:, :e]), q[:, :e], mode)
+        return cls(tokens=tokens, parents=torch.full((b, cap), -1, dtype=torch.long, device=dev),
+                   depth=torch.zeros(b, cap, dtype=torch.long, device=dev), a=a, real=real,
+                   taken=torch.zeros(b, cap, dtype=torch.long, device=dev))
+
+    def partial(self) -> TokenTree:
+        return TokenTree(self.tokens[:, :self.size], self.parents[:, :self.size])
+
+    def fresh(self) -> Tensor:
+        """(b, size) the real nodes the draft has not run yet."""
+        out = torch.zeros_like(self.real[:, :self.size])
+        out[:, self.forwarded:] = self.real[:, self.forwarded:self.size]
+        return out
+
+    def add_candidates(self, logits: Tensor, K: int, mode: str, sampling: SamplingConfig,
+                       generator) -> None:
+        """Store the ordered candidates of the nodes just run (``logits (b, size - forwarded,
+        v)``)."""
+        b, cap = self.tokens.shape
+        if self.q is None:
+            self.q = torch.zeros(b, cap, logits.shape[-1], device=logits.device)
+            self.cand_tok = torch.zeros(b, cap, K, dtype=torch.long, device=logits.device)
+            self.cand_p = torch.zeros(b, cap, K, device=logits.device)
+        picks, probs = pick_children(logits, K, mode, sampling, generator)
+        dist = probs if mode != "deterministic" else logits.float().softmax(-1)
+        new = slice(self.forwarded, self.size)
+        self.q[:, new], self.cand_tok[:, new] = probs, picks
+        self.cand_p[:, new] = dist.gather(-1, picks)
+        self.forwarded = self.size
+
+    def free(self) -> Tensor:
+        """(b, size, K) open slots: of a real node run by the draft, not taken, probability > 0."""
+        e = self.size
+        ks = torch.arange(self.cand_p.shape[-1], device=self.tokens.device)
+        return self.real[:, :e, None] & (ks >= self.taken[:, :e, None]) & (self.cand_p[:, :e] > 0)
+
+    def slots(self, fresh: Tensor, last: bool) -> Slots:
+        e = self.size
+        return Slots(a=self.a[:, :e], depth=self.depth[:, :e], fresh=fresh, open=self.free(),
+                     prob=self.cand_p[:, :e], last=last)
+
+    def append(self, key: Tensor, take: Tensor) -> int:
+        """Append the open slots ``take`` marks, in decreasing ``key``, cut at the capacity; pad
+        short rows (module docstring). Returns the round's width (0: nothing added)."""
+        e, K = self.size, self.cand_p.shape[-1]
+        take = take & self.free()
+        count = take.flatten(1).sum(1).clamp(max=self.tokens.shape[1] - e)
+        width = int(count.max())  # host sync: the size of this round
+        if width == 0:
+            return 0
+        key = key.float().masked_fill(~take, float("-inf")).flatten(1)
+        order = key.sort(dim=1, descending=True, stable=True).indices[:, :width]
+        valid = torch.arange(width, device=key.device) < count.unsqueeze(1)
+        u = order // K
+        new_tok = self.cand_tok[:, :e].flatten(1).gather(1, order)
+        child_a = self.a.gather(1, u) * self.cand_p[:, :e].flatten(1).gather(1, order)
+        # Padding copies node 1, which in the first round is each row's first new node.
+        pad = new_tok[:, :1] if e == 1 else self.tokens[:, 1:2]
+        span = slice(e, e + width)
+        self.tokens[:, span] = torch.where(valid, new_tok, pad)
+        self.parents[:, span] = torch.where(valid, u, 0)
+        self.a[:, span] = torch.where(valid, child_a, 0.0)
+        self.depth[:, span] = torch.where(valid, self.depth.gather(1, u) + 1, 1)
+        self.real[:, span] = valid
+        self.taken.scatter_add_(1, u, valid.long())
+        self.size += width
+        return width
+
+    def as_draft(self, mode: str) -> Draft:
+        """The tree so far; ``q`` rows of nodes the draft never ran are 0 (leaves)."""
+        return Draft(self.partial(), self.q[:, :self.size], mode)
