@@ -211,7 +211,7 @@ class _DraftSide:
 
     def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
         d = self.drafter.draft(self.model, self.cache, roots, sampling, generator)
-        self.stats.draft_calls += self.drafter.depth  # a dynamic drafter's depth is per draft
+        self.stats.draft_calls += self.drafter.draft_runs  # a dynamic drafter's: per draft
         return d
 
     def commit(self, tree: TokenTree, path: Tensor) -> None:

@@ -136,8 +136,9 @@ def test_dyspec_matches_algorithm_1(seed, budget):
     assert node_paths(tree) == dyspec_alg1(model, 3, 7 + seed, budget)
     # the draft ran once per round, over the tree so far; fewer rounds than nodes
     calls = [c for c in model.calls if c.kind == "tree_forward"]
-    assert len(calls) == d.depth < budget or budget <= 5
-    assert calls[-1].tokens.shape[1] == d.num_forwarded
+    assert len(calls) == d.draft_runs < budget or budget <= 5
+    last = TokenTree(calls[-1].tokens, calls[-1].parents)
+    assert last.num_nodes == d.num_forwarded and d.depth == last.max_depth + 1  # commit's cut
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -282,3 +283,26 @@ class _PeekingDySpec(DySpecDrafter):
 
 def test_distribution_test_catches_a_token_dependent_rule():
     assert _pvalue(_PeekingDySpec(6, max_depth=10)) < 1e-6
+
+
+class _Recording(DySpecDrafter):
+    """dyspec that records (draft runs, depth) of every draft."""
+
+    def draft(self, *args, **kwargs):
+        out = super().draft(*args, **kwargs)
+        self.seen.append((self.draft_runs, self.depth))
+        return out
+
+
+def test_rounds_adding_only_shallow_nodes_commit_to_the_draft():
+    """A round may add only siblings of shallow nodes, so draft runs exceed the drafted depth;
+    the draft commit cuts the path to ``depth`` (1 + the deepest node the draft ran)."""
+    target = FakeLM(V, seed=2, scale=4.0)
+    draft = FakeLM(V, seed=2, scale=4.0, noise=1.0)
+    d = _Recording(12, max_depth=10, mode="deterministic")  # kept as is by resolve
+    d.seen = []
+    out = generate(target, draft, PROMPTS, 96, drafter=d)
+    got = [out.sequences[i, len(p):out.lengths[i]].tolist() for i, p in enumerate(PROMPTS)]
+    assert got == [greedy_reference(target, p, 96) for p in PROMPTS]
+    assert any(runs > depth for runs, depth in d.seen)
+    assert out.stats.draft_calls >= sum(runs for runs, _ in d.seen)

@@ -166,6 +166,10 @@ class AutoDrafter(Drafter):
         return self.chosen.num_forwarded
 
     @property
+    def draft_runs(self) -> int:
+        return self.chosen.draft_runs
+
+    @property
     def max_leaves(self) -> int:
         return max(d.max_leaves for d in self._drafters.values())
 

@@ -30,12 +30,13 @@ class Drafter(ABC):
         mode: the ``Draft.mode`` it produces (a static drafter's None: chosen per sampling
             config, see :meth:`modes`).
         num_nodes: tree size ``n``, root included.
-        depth: drafted layers below the root (= draft ``tree_forward`` calls per draft).
+        depth: drafted layers below the root (= draft ``tree_forward`` calls per draft, see
+            ``draft_runs``); the accepted path is committed to the draft cut to ``depth`` nodes.
         num_forwarded: leading nodes covered by the last draft ``tree_forward`` (all but the
             deepest layer); 0 when the drafter never calls the draft model.
         max_leaves: upper bound on root-to-leaf paths of any tree it builds.
     Dynamic drafters (``dynamic.py``) build trees of at most ``num_nodes`` nodes and report the
-    ``depth`` and ``num_forwarded`` of their latest draft.
+    ``depth``, ``num_forwarded`` and ``draft_runs`` of their latest draft.
     """
 
     mode: str
@@ -59,6 +60,11 @@ class Drafter(ABC):
     @property
     def uses_draft_model(self) -> bool:
         return self.depth > 0
+
+    @property
+    def draft_runs(self) -> int:
+        """Draft ``tree_forward`` calls of a draft (of the latest one for dynamic drafters)."""
+        return self.depth
 
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         """Modes this drafter can run in, best first for ``sampling``; overridden by drafters

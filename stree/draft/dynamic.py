@@ -10,7 +10,7 @@ is exactly sampling ``k`` siblings one after another); ``"deterministic"`` ranks
 tokens (DynaTree's top-B, DySpec at temperature 0). Slot ``(u, k)`` is "u's k-th child". Every
 node carries ``a_u``, the product of draft probabilities along its path (root 1): DySpec's and
 DynaTree's path probability. ``d_u`` is the draft distribution the values are read from: ``q_u``
-for sampled children, the draft's softmax at temperature 1 for ranked ones.
+for sampled children, the draft's softmax at the drafter's ``value_temperature`` for ranked ones.
 
 Round. (1) One draft ``tree_forward`` over the tree so far (:func:`level_logits`; only the nodes of
 the previous round are new) gives the candidates of those nodes. (2) The rule marks the slots to
@@ -27,7 +27,7 @@ verification take the *first* child carrying a token, and MSS skips a child whos
 it probability 0 (node 1's token once node 1 was rejected). In batch 1 there is no padding; in a
 batch a row's real nodes can fall short of the budget by the padding it receives (the node count
 never exceeds ``1 + budget``). The draft's last run covered every node but the last round's, so
-``num_forwarded`` and ``depth`` (rounds run) describe the latest draft.
+``num_forwarded``, ``depth`` and ``draft_runs`` (rounds) describe the latest draft.
 """
 from __future__ import annotations
 
@@ -79,9 +79,12 @@ class Slots:
 
 @dataclass
 class LastDraft:
-    """Mutable record of the latest draft: draft runs (rounds) and nodes the last run covered."""
+    """Mutable record of the latest draft: draft runs (rounds), nodes the last run covered and
+    ``depth`` = 1 + the depth of the deepest of them (a round may add only siblings, so rounds
+    can exceed the layers: the accepted path is cut to ``depth`` before the draft commits it)."""
 
     depth: int
+    runs: int
     num_forwarded: int = 0
 
 
@@ -95,6 +98,8 @@ class DynamicTreeDrafter(Drafter):
     budget: int
     max_depth: int
     mode: str | None = None
+    # Temperature of the draft softmax that values ranked ("deterministic") children.
+    value_temperature: float = 1.0
     _last: LastDraft = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -102,9 +107,12 @@ class DynamicTreeDrafter(Drafter):
             raise ValueError(f"{self.name}: node budget must be >= 1, got {self.budget}")
         if int(self.max_depth) < 1:
             raise ValueError(f"{self.name}: max depth must be >= 1, got {self.max_depth}")
+        if not float(self.value_temperature) > 0.0:
+            raise ValueError(f"{self.name}: value temperature must be > 0, got "
+                             f"{self.value_temperature}")
         if self.mode is not None and self.mode not in self.all_modes:
             raise ValueError(f"{self.name} drafts {self.all_modes} trees, not {self.mode!r}")
-        self._last = LastDraft(depth=int(self.max_depth))
+        self._last = LastDraft(depth=int(self.max_depth), runs=int(self.max_depth))
 
     # --------------------------------------------------------------------------- to implement
     # Modes this rule can draft, ranked children first (class attribute).
@@ -144,6 +152,10 @@ class DynamicTreeDrafter(Drafter):
         return self._last.num_forwarded
 
     @property
+    def draft_runs(self) -> int:
+        return self._last.runs
+
+    @property
     def max_leaves(self) -> int:
         return int(self.budget)
 
@@ -179,11 +191,12 @@ class DynamicTreeDrafter(Drafter):
             logits = level_logits(model, cache, tree.partial(), tree.forwarded)
             rounds += 1
             tree.add_candidates(logits, min(self.candidates, logits.shape[-1]), mode, sampling,
-                                generator)
+                                generator, self.value_temperature)
             key, take = self.select(tree.slots(fresh, last=rounds == self.max_depth))
             if not tree.append(key, take):
                 break
-        self._last = LastDraft(depth=rounds, num_forwarded=tree.forwarded)
+        ran = tree.depth[:, :tree.forwarded]
+        self._last = LastDraft(depth=int(ran.max()) + 1, runs=rounds, num_forwarded=tree.forwarded)
         return tree.as_draft(mode)
 
 
@@ -228,16 +241,17 @@ class GrowingTree:
         return out
 
     def add_candidates(self, logits: Tensor, K: int, mode: str, sampling: SamplingConfig,
-                       generator) -> None:
+                       generator, value_temperature: float) -> None:
         """Store the ordered candidates of the nodes just run (``logits (b, size - forwarded,
-        v)``)."""
+        v)``); ranked children are valued by the draft's softmax at ``value_temperature``."""
         b, cap = self.tokens.shape
         if self.q is None:
             self.q = torch.zeros(b, cap, logits.shape[-1], device=logits.device)
             self.cand_tok = torch.zeros(b, cap, K, dtype=torch.long, device=logits.device)
             self.cand_p = torch.zeros(b, cap, K, device=logits.device)
         picks, probs = pick_children(logits, K, mode, sampling, generator)
-        dist = probs if mode != "deterministic" else logits.float().softmax(-1)
+        ranked = mode == "deterministic"
+        dist = (logits.float() / value_temperature).softmax(-1) if ranked else probs
         new = slice(self.forwarded, self.size)
         self.q[:, new], self.cand_tok[:, new] = probs, picks
         self.cand_p[:, new] = dist.gather(-1, picks)
