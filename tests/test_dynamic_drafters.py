@@ -43,21 +43,22 @@ def node_paths(tree: TokenTree, row: int = 0) -> set[tuple[int, ...]]:
 
 
 # -------------------------------------------------------------- sequential oracles (host-side)
-def ranked(model: FakeLM, prev: int, cur: int):
-    """The draft's tokens after (prev, cur), most likely first, with their probabilities."""
-    p = model.table[prev, cur].float().softmax(-1)
+def ranked(model: FakeLM, prev: int, cur: int, temperature: float = 1.0):
+    """The draft's tokens after (prev, cur), most likely first, with their probabilities at
+    ``temperature``."""
+    p = (model.table[prev, cur].float() / temperature).softmax(-1)
     order = p.argsort(descending=True, stable=True)
     return order.tolist(), p[order].tolist()
 
 
-def dyspec_alg1(model, prev, root, budget):
+def dyspec_alg1(model, prev, root, budget, temperature):
     """DySpec Algorithm 1 (heap greedy), ranked children: the tree as a set of token paths."""
     nodes = {(): (prev, root, 1.0)}               # path -> (previous token, token, value a)
     heap, tick = [(-1.0, 0, (), 0, 0.0)], 1       # (-slot value, tiebreak, parent path, k, S)
     while len(nodes) - 1 < budget:
         _, _, path, k, s = heapq.heappop(heap)
         pv, tok, a = nodes[path]
-        toks, probs = ranked(model, pv, tok)
+        toks, probs = ranked(model, pv, tok, temperature)
         child = path + (toks[k],)
         nodes[child] = (tok, toks[k], a * probs[k])
         heapq.heappush(heap, (-a * (1 - s - probs[k]), tick, path, k + 1, s + probs[k]))
@@ -66,13 +67,13 @@ def dyspec_alg1(model, prev, root, budget):
     return set(nodes) - {()}
 
 
-def dyspec_alg2(model, prev, root, threshold):
+def dyspec_alg2(model, prev, root, threshold, temperature):
     """DySpec Algorithm 2 (threshold, layer by layer), ranked children."""
     out, layer = set(), [((), prev, root, 1.0)]
     while layer:
         nxt = []
         for path, pv, tok, v in layer:
-            toks, probs = ranked(model, pv, tok)
+            toks, probs = ranked(model, pv, tok, temperature)
             for t, p in zip(toks, probs):
                 if v < threshold:
                     break
@@ -124,16 +125,16 @@ def dynatree_v2(model, prev, root, d: DynaTree2Drafter):
 
 
 # ---------------------------------------------------------------------------- construction
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed,vt", [(0, 0.6), (1, 1.0), (2, 0.4)])
 @pytest.mark.parametrize("budget", [5, 16, 40])
-def test_dyspec_matches_algorithm_1(seed, budget):
+def test_dyspec_matches_algorithm_1(seed, vt, budget):
     """Round-batched greedy = the heap's tree, node for node (depth cap not binding)."""
     model = FakeLM(V, seed=seed, scale=1.5)
     prompt = torch.tensor([3, 7 + seed])
-    d = DySpecDrafter(budget, max_depth=budget)
+    d = parse_drafter(f"dyspec:{budget}:{budget}:{vt}")
     tree = drafted(d, model, [prompt]).tree
     assert tree.num_nodes == budget + 1
-    assert node_paths(tree) == dyspec_alg1(model, 3, 7 + seed, budget)
+    assert node_paths(tree) == dyspec_alg1(model, 3, 7 + seed, budget, d.value_temperature)
     # the draft ran once per round, over the tree so far; fewer rounds than nodes
     calls = [c for c in model.calls if c.kind == "tree_forward"]
     assert len(calls) == d.draft_runs < budget or budget <= 5
@@ -148,7 +149,7 @@ def test_dyspec_threshold_matches_algorithm_2(seed, threshold):
     d = DySpecDrafter(200, max_depth=30, threshold=threshold)
     tree = drafted(d, model, [torch.tensor([5, 1 + seed])]).tree
     assert tree.num_nodes < 201  # the budget did not bind
-    assert node_paths(tree) == dyspec_alg2(model, 5, 1 + seed, threshold)
+    assert node_paths(tree) == dyspec_alg2(model, 5, 1 + seed, threshold, d.value_temperature)
 
 
 @pytest.mark.parametrize("depth,branch,budget,tau", [(4, 2, 12, 0.05), (6, 3, 20, 0.03),
@@ -299,7 +300,7 @@ def test_rounds_adding_only_shallow_nodes_commit_to_the_draft():
     the draft commit cuts the path to ``depth`` (1 + the deepest node the draft ran)."""
     target = FakeLM(V, seed=2, scale=4.0)
     draft = FakeLM(V, seed=2, scale=4.0, noise=1.0)
-    d = _Recording(12, max_depth=10, mode="deterministic")  # kept as is by resolve
+    d = _Recording(12, max_depth=10, mode="deterministic", value_temperature=1.0)  # kept by resolve
     d.seen = []
     out = generate(target, draft, PROMPTS, 96, drafter=d)
     got = [out.sequences[i, len(p):out.lengths[i]].tolist() for i, p in enumerate(PROMPTS)]
