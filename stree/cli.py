@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="file holding the prompt text")
     g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "unrolled"])
     g.add_argument("--tree", default=None,
-                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... "
+                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | dyspec:N | "
+                        "dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
                         "(default: fig4a; chain:4 for --method chain)")
     g.add_argument("--verifier", default=None, choices=["greedy", "mss", "naive", "sps", "asps"],
                    help="default: the lossless one for the sampling config and drafter")
