@@ -180,11 +180,14 @@ class AutoDrafter(Drafter):
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         if self.mode is not None:
             return (self.mode,)
-        return ("deterministic",) if sampling.is_greedy else ("without_replacement", "deterministic")
+        if sampling.is_greedy:
+            return ("deterministic",)
+        return ("without_replacement", "deterministic")
 
     def with_mode(self, mode: str) -> "AutoDrafter":
         if mode not in ("deterministic", "without_replacement"):
-            raise ValueError(f"auto drafts 'deterministic' or 'without_replacement' trees, not {mode!r}")
+            raise ValueError(f"auto drafts 'deterministic' or 'without_replacement' trees, "
+                             f"not {mode!r}")
         other = replace(self, mode=mode)
         for spec, d in other._drafters.items():  # chains keep drafting sampled chains
             if mode in d.modes(SamplingConfig(1.0)) + d.modes(SamplingConfig()):
@@ -223,8 +226,9 @@ class AutoDrafter(Drafter):
             tau, seconds = self.predict(spec)
             rate[spec] = tau / seconds
         best = max(rate, key=rate.get)
-        if self._current is not None and rate[best] < rate[self._current] * (1 + self.switch_margin):
-            return self._current
+        current = self._current
+        if current is not None and rate[best] < rate[current] * (1 + self.switch_margin):
+            return current
         return best
 
     # ---------------------------------------------------------------------------- decoding

@@ -175,7 +175,7 @@ class DynamicTreeDrafter(Drafter):
         if mode == self.mode:
             return self
         if self.mode is not None or mode not in self.all_modes:
-            raise ValueError(f"{self.name} drafts {self.modes(SamplingConfig())} trees, not {mode!r}")
+            raise ValueError(f"{self.name} drafts {self.all_modes} trees, not {mode!r}")
         return replace(self, mode=mode)
 
     # --------------------------------------------------------------------------------- draft

@@ -117,8 +117,8 @@ class DynaTree2Drafter(DynamicTreeDrafter):
         return int(self.breadth[2])
 
     def _expandable(self, a: Tensor, depth: Tensor) -> Tensor:
-        d0 = round(self.history.d0)
-        return (depth < self.max_depth) & (a >= self.rho_stop) & ((depth < d0) | (a >= self.rho_deep))
+        shallow = depth < round(self.history.d0)
+        return (depth < self.max_depth) & (a >= self.rho_stop) & (shallow | (a >= self.rho_deep))
 
     def wants_round(self, a: Tensor, depth: Tensor, fresh: Tensor) -> bool:
         return bool((fresh & self._expandable(a, depth)).any())
@@ -126,7 +126,8 @@ class DynaTree2Drafter(DynamicTreeDrafter):
     def select(self, slots: Slots) -> tuple[Tensor, Tensor]:
         lo, mid, hi = self.breadth
         conf = slots.prob[..., 0]  # the top candidate's probability: max q_D(.|u)
-        width = torch.where(conf >= self.history.tau_h, lo, torch.where(conf >= self.tau_l, mid, hi))
+        width = torch.where(conf >= self.history.tau_h, lo,
+                            torch.where(conf >= self.tau_l, mid, hi))
         ks = torch.arange(slots.prob.shape[-1], device=conf.device)
         grow = slots.fresh & self._expandable(slots.a, slots.depth)
         return slots.fifo(), grow.unsqueeze(-1) & (ks < width.unsqueeze(-1)) & slots.open
