@@ -8,8 +8,11 @@ Methods (``--methods``), all through ``stree.generate`` with batch size 1, one p
 * ``ar-tree``: stree's 1-node tree path (a root-only tree through ``tree_forward`` + ``commit``), to
   show stree's own per-step overhead; not a baseline;
 * ``chain:K``: vanilla speculative decoding with a K-token draft chain (speculative sampling at T > 0);
-* ``tree:SPEC``: STree with drafter SPEC (``static:fig4a``, ``beam:4x3``, ... see ``stree.draft.presets``);
-* ``unrolled:SPEC``: the same drafts verified as separate root-to-leaf chains (a correctness baseline).
+* ``tree:SPEC``: STree with drafter SPEC (``static:fig4a``, ``beam:4x3``, ``dyspec:16``,
+  ``dynatree:6x2:16``, ``dynatree2``, ``auto``, ... see ``stree.draft.presets``);
+* ``unrolled:SPEC``: the same drafts verified as separate root-to-leaf chains (a correctness baseline);
+* any of these with ``@VERIFIER`` appended picks the verifier (``chain:4@asps``, ``tree:dyspec:16@naive``;
+  default: the lossless default for the temperature).
 
 Correctness first: at temperature 0 every method must emit exactly the same tokens for every prompt
 (greedy decoding is lossless), else the script prints the first difference and exits 1 before writing
@@ -59,18 +62,20 @@ class Method:
     label: str
     method: str
     drafter: str | None
+    verifier: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> "Method":
-        kind, _, rest = spec.partition(":")
-        if kind in ("ar", "ar-tree") and not rest:
+        body, _, verifier = spec.partition("@")
+        kind, _, rest = body.partition(":")
+        if kind in ("ar", "ar-tree") and not rest and not verifier:
             return cls(spec, kind, None)
         if kind == "chain" and rest:
-            return cls(spec, "chain", spec)
+            return cls(spec, "chain", body, verifier or None)
         if kind in ("tree", "unrolled") and rest:
-            return cls(spec, kind, rest)
-        raise ValueError(f"unknown method {spec!r}: expected ar, ar-tree, chain:K, tree:SPEC "
-                         "or unrolled:SPEC")
+            return cls(spec, kind, rest, verifier or None)
+        raise ValueError(f"unknown method {spec!r}: expected ar, ar-tree, chain:K, tree:SPEC or "
+                         "unrolled:SPEC, the last three optionally with @VERIFIER")
 
 
 @dataclass
@@ -100,7 +105,8 @@ def parse_args(argv=None) -> BenchConfig:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                    help="ar | ar-tree | chain:K | tree:SPEC | unrolled:SPEC (default: %(default)s)")
+                    help="ar | ar-tree | chain:K | tree:SPEC | unrolled:SPEC, the last three optionally "
+                         "@VERIFIER (default: %(default)s)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None,
                     help="default bf16 on CUDA, fp32 on CPU")
@@ -147,7 +153,7 @@ def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: i
         generator = torch.Generator(device=ids.device).manual_seed(seed)
     return generate(target, draft if method.drafter else None, ids[None], max_new_tokens,
                     temperature=temperature, eos_token_id=eos, drafter=method.drafter,
-                    method=method.method, generator=generator)
+                    verifier=method.verifier, method=method.method, generator=generator)
 
 
 def first_mismatch(outputs: dict[str, list[list[int]]]) -> str | None:

@@ -225,7 +225,8 @@ def model_rows(label: str, model, args, device, cuda: bool, prompt_len: int, voc
                draft=None) -> list[dict]:
     """tree_forward (1/13/63), commit, and with a draft model: one draft and one verify."""
     from stree.draft import parse_drafter
-    from stree.verify import SamplingConfig, get_verifier
+    from stree.sampling import SamplingConfig
+    from stree.verify import get_verifier
 
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen).to(device)

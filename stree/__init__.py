@@ -10,9 +10,9 @@
 from stree.cache import TreeCache
 from stree.generate import GenerationOutput, generate
 from stree.patch import patch
+from stree.sampling import SamplingConfig
 from stree.stats import GenerationStats
 from stree.tree import TokenTree, parents_from_widths
-from stree.verify import SamplingConfig
 
 __all__ = ["patch", "generate", "GenerationOutput", "GenerationStats", "TokenTree", "TreeCache",
            "SamplingConfig", "parents_from_widths"]

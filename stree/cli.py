@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "ar-tree", "unrolled"],
                    help="ar: the model's own autoregressive decoding; ar-tree: stree's 1-node tree path")
     g.add_argument("--tree", default=None,
-                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... "
+                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | dyspec:N | "
+                        "dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
                         "(default: fig4a; chain:4 for --method chain)")
-    g.add_argument("--verifier", default=None, choices=["greedy", "mss", "naive", "sps"],
+    g.add_argument("--verifier", default=None, choices=["greedy", "mss", "naive", "sps", "asps"],
                    help="default: the lossless one for the sampling config and drafter")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -112,7 +113,7 @@ def describe_error(err: BaseException) -> str:
 
 def run_generate(args) -> int:
     from stree.generate import generate, resolve
-    from stree.verify import SamplingConfig
+    from stree.sampling import SamplingConfig
 
     no_draft = args.method in ("ar", "ar-tree")
     if not no_draft and not args.draft:

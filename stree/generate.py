@@ -32,9 +32,10 @@ from torch import Tensor
 from stree import native
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
 from stree.draft.base import commit_draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
-from stree.verify import SamplingConfig, default_verifier, get_verifier, sample_from, target_probs
+from stree.verify import default_verifier, get_verifier
 
 METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
 DEFAULT_DRAFTERS = {"tree": "static:fig4a", "unrolled": "static:fig4a", "chain": "chain:4"}
@@ -67,8 +68,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         eos_token_id: a row stops after emitting it (or any of a list).
         drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
             ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method.
-        verifier: "greedy" | "mss" | "naive" | "sps" | a verifier object; None picks the lossless
-            default for the sampling config and draft mode.
+        verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | a verifier object; None picks the
+            lossless default for the sampling config and draft mode.
         method: "tree" | "chain" | "ar" | "ar-tree" | "unrolled" (see the module docstring).
         generator: torch.Generator for all sampling (drafts and verification).
         streamer: object with ``put(tokens)`` / ``end()`` (mamba_ssm / Hugging Face style): gets the
@@ -86,6 +87,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     drafter, verifier = resolve(method, drafter, verifier, sampling)
     if drafter.uses_draft_model:
         _check_vocab(target, draft)
+        drafter.prepare(target, draft)
     device = _device(target)
     prompts = _as_prompts(input_ids, device)
     if max_new_tokens < 0:
@@ -145,8 +147,9 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
         ranked = sorted(modes, key=lambda m: m != "deterministic")
         mode = next((m for m in ranked if _accepts(verifier, m, sampling)), modes[0])
     verifier.check(mode, sampling)  # raises ValueError for a non-lossless pair
-    if getattr(verifier, "name", None) == "sps" and drafter.num_nodes != drafter.depth + 1:
-        raise ValueError(f"the 'sps' verifier needs a chain drafter, got {drafter.name!r}; "
+    name = getattr(verifier, "name", None)
+    if name in ("sps", "asps") and drafter.num_nodes != drafter.depth + 1:
+        raise ValueError(f"the {name!r} verifier needs a chain drafter, got {drafter.name!r}; "
                          "use 'mss' or 'naive' for trees")
     return drafter.with_mode(mode), verifier
 
@@ -229,15 +232,18 @@ class _DraftSide:
             _prefill(self.model, self.cache, prompts)
 
     def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
-        self.stats.draft_calls += self.drafter.depth
-        return self.drafter.draft(self.model, self.cache, roots, sampling, generator)
+        d = self.drafter.draft(self.model, self.cache, roots, sampling, generator)
+        self.stats.draft_calls += self.drafter.draft_runs  # a dynamic drafter's: per draft
+        return d
 
     def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
         """Advance the draft along the target's accepted ``path`` (b, k), -1 padded, of
         ``counts[r]`` nodes per row (host-side, so no device sync)."""
+        self.drafter.observe(tree, path)
         if self.model is None:
             return
-        if commit_draft(self.model, self.cache, tree, path, counts, self.drafter.depth):
+        if commit_draft(self.model, self.cache, tree, path, counts, self.drafter.depth,
+                        self.drafter.layered):
             return
         # A tree_forward-only draft model whose path reaches the never-run deepest layer: run
         # the path as a chain.

@@ -11,7 +11,7 @@ model family decodes with its own code at its best:
   runs. On CUDA each step replays the CUDA graph ``generate(cg=True)`` captures
   (``update_graph_cache``). Its ``generate`` itself is not called because it builds CUDA events
   even on CPU and samples with its own ``sample`` (ties at the k-th logit dropped, no list of stop
-  ids); the loop here samples every family the same way (:mod:`stree.verify.sampling`).
+  ids); the loop here samples every family the same way (:mod:`stree.sampling`).
 * transformers' Mamba2 family (:mod:`stree.hf.native`, registered by ``import stree.hf``): its own
   ``generate`` prepares the cache, positions and ``logits_to_keep`` (a ``custom_generate`` hook that
   only captures them), then ``_prefill`` and, per token, ``prepare_inputs_for_generation`` -> forward
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from stree.stats import GenerationStats, timed
-from stree.verify.sampling import SamplingConfig, sample_from, target_probs
+from stree.sampling import SamplingConfig, sample_from, target_probs
 
 
 class NativeSession(Protocol):

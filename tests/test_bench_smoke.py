@@ -58,12 +58,14 @@ def read_rows(out: Path, pattern: str) -> list[dict]:
     return rows
 
 
-def test_e2e_smoke(tmp_path):
+def test_e2e_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREE_CACHE", str(tmp_path / "cache"))  # auto's measured costs
     models = write_model_dir(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "results"
-    methods = ["ar", "ar-tree", "chain:4", "tree:static:fig4a", "tree:beam:4x3"]
+    methods = ["ar", "ar-tree", "chain:4", "chain:4@asps", "tree:static:fig4a", "tree:beam:4x3",
+               "tree:dyspec:8", "tree:dynatree2:8", "tree:auto"]
     rc = e2e.main(["--models", str(models), "--prompts", str(prompts), "--limit", "2",
                    "--max-new-tokens", "12", "--temperatures", "0", "1", "--methods", *methods,
                    "--device", "cpu", "--out", str(out)])
@@ -74,10 +76,21 @@ def test_e2e_smoke(tmp_path):
     assert all(r["t0_identical"] for r in summary if r["temperature"] == 0)
     assert all(r["prompts"] == 2 and r["steps"] > 0 and r["tau"] >= 1 for r in summary)
     assert all(r["tau"] == 1 for r in summary if r["method"] == "ar")
+    assert {r["verifier"] for r in read_rows(out, "e2e_*_per_prompt.json")
+            if r["method"] == "chain:4@asps"} == {"asps"}
     per_prompt = read_rows(out, "e2e_*_per_prompt.json")
     assert len(per_prompt) == 2 * len(methods) * 2
     if importlib.util.find_spec("matplotlib") is not None:
         assert len(list(out.glob("e2e_*.png"))) == 1
+
+
+def test_method_specs():
+    assert e2e.Method.parse("chain:4@asps") == e2e.Method("chain:4@asps", "chain", "chain:4", "asps")
+    assert e2e.Method.parse("tree:dynatree:6x2:16") == e2e.Method("tree:dynatree:6x2:16", "tree",
+                                                                  "dynatree:6x2:16")
+    for bad in ("ar@greedy", "tree", "chain@sps", "foo:1"):
+        with pytest.raises(ValueError):
+            e2e.Method.parse(bad)
 
 
 def test_first_mismatch_names_prompt_method_and_position():

@@ -5,8 +5,8 @@ import torch
 
 from stree.draft import (STATIC_TREES, BeamTreeDrafter, ChainDrafter, StaticTreeDrafter,
                          parse_drafter)
+from stree.sampling import SamplingConfig, target_probs
 from stree.tree import TokenTree
-from stree.verify import SamplingConfig
 from tests.fakes import FakeLM
 
 GREEDY = SamplingConfig()

@@ -7,7 +7,8 @@ from scipy.stats import chisquare
 
 from stree.draft import parse_drafter
 from stree.generate import generate, resolve
-from stree.verify import MSSVerifier, SamplingConfig
+from stree.sampling import SamplingConfig
+from stree.verify import MSSVerifier
 from tests.fakes import FakeCache, FakeLM, greedy_reference, target_probs_of_prefix
 
 V = 23
@@ -40,6 +41,7 @@ def new_tokens(out, prompts):
     ("tree", "static:fig4a", "mss", 96),     # temperature 0 through MSS == greedy
     ("tree", "static:D", "naive", 96),
     ("chain", "chain:4", "sps", 96),
+    ("chain", "chain:4", "asps", 96),
     ("unrolled", "beam:3x2", None, 96),
 ], ids=lambda x: str(x))
 def test_greedy_equals_target_greedy(target, draft, method, drafter, verifier, n):
@@ -208,6 +210,7 @@ def test_unknown_method(target, draft):
     ("static:fig4a", "greedy", 1.0),          # greedy verification of a sampled target
     ("static:fig4a", "sps", 0.0),             # sps needs a chain
     ("static:A:iid", "sps", 1.0),
+    ("static:A:iid", "asps", 1.0),            # asps needs a chain too
 ])
 def test_non_lossless_pair_refused(target, draft, drafter, verifier, temperature):
     target.calls.clear()
@@ -259,6 +262,7 @@ def _joint(out, prompt, length, v):
     ("tree", "static:3,2:iid", "mss"),
     ("tree", "beam:2x2", "naive"),
     ("chain", "chain:2", None),             # sps
+    ("chain", "chain:3", "asps"),
 ])
 def test_sampled_output_has_the_target_distribution(method, drafter, verifier):
     """The first 3 tokens of 3000 rows against the exact target joint (v^3 cells, chi-square)."""

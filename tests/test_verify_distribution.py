@@ -17,9 +17,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.tree import TokenTree
-from stree.verify import Draft, SamplingConfig, get_verifier, sample_from, target_probs
-from stree.verify.base import NodeStep, walk
+from stree.verify import get_verifier
+from stree.verify.base import NodeStep, Verdict, walk
 
 V = 4
 TRIALS = 30_000
@@ -153,6 +155,8 @@ LOSSLESS = [
     ("mss", "chain", (1, 1), SamplingConfig(1.0)),
     ("sps", "chain", (1, 1), SamplingConfig(1.0)),
     ("sps", "chain", (1, 1), SamplingConfig(0.5, top_k=3)),
+    ("asps", "chain", (1, 1), SamplingConfig(1.0)),
+    ("asps", "chain", (1, 1), SamplingConfig(0.7, top_p=0.8)),
 ]
 
 
@@ -200,6 +204,31 @@ def _mss_unnormalised_residual(step: NodeStep, sampling, g):
     return slot, sample_from(R, g)
 
 
+def _asps_without_reweighting(draft, logits, g):
+    """ASpS on a two-token chain with its coupling broken: the second level does not re-weight
+    the first level's rejection outcomes (SpS keeps them, ASpS scales them by r(a) / q(a))."""
+    p, q, x = target_probs(logits, T1).double(), draft.q.double(), draft.tree.tokens
+    N = x.shape[0]
+    PN = torch.zeros(N, 3, V, dtype=torch.float64)
+    PNs = torch.ones(N, dtype=torch.float64)
+    for j in range(2):
+        a = x[:, j + 1 : j + 2]
+        if j:
+            PN[:, 0].scatter_(1, x[:, 1:2], 0.0)
+        m, qa = PNs[:, None] * p[:, j], q[:, j].gather(1, a)[:, 0]
+        C1 = (q[:, j] - m).clamp_min(0)
+        w = C1.gather(1, a)[:, 0] / C1.sum(-1).clamp_min(1e-300) / qa
+        PN[:, j] = w[:, None] * (m - q[:, j]).clamp_min(0)
+        PN[:, j].scatter_(1, a, (m.gather(1, a) / qa[:, None]).clamp_max(1.0))
+        PNs = PN[:, j].gather(1, a)[:, 0]
+    PN[:, 1].scatter_(1, x[:, 2:3], 0.0)
+    PN[:, 2] = PNs[:, None] * p[:, 2]
+    cell = sample_from(PN.flatten(1), g)
+    acc = cell // V
+    path = torch.where(torch.arange(3)[None] <= acc[:, None], torch.arange(3)[None], -1)
+    return Verdict(path=path, num_accepted=acc, next_token=cell % V)
+
+
 T1 = SamplingConfig(1.0)
 NEGATIVE = {
     # children drawn without replacement, verified with the with-replacement (iid) update
@@ -209,20 +238,30 @@ NEGATIVE = {
     # deterministic top-k children passed off as i.i.d. samples to MSS
     "mss_on_deterministic_topk_children":
         dict(mode="deterministic", label="iid", widths=(2, 2), verify=run_verifier("mss", T1)),
-    # i.i.d. children (duplicates possible) verified with the without-replacement update
-    "mss_without_replacement_rule_on_iid_children":
-        dict(mode="iid", label="without_replacement", widths=(3, 2),
-             verify=run_verifier("mss", T1)),
     "sps_resample_from_p_on_reject":
         dict(mode="chain", label="chain", widths=(1, 1),
              verify=_buggy(_resample_from_p_on_reject, T1)),
     "mss_unnormalised_residual":
         dict(mode="iid", label="iid", widths=(3, 2), verify=_buggy(_mss_unnormalised_residual, T1)),
+    "asps_without_reweighting":
+        dict(mode="chain", label="chain", widths=(1, 1), verify=_asps_without_reweighting),
     # the verifier re-applies a temperature to q (what a verifier that "re-transforms q" does)
     "mss_with_retransformed_q":
         dict(mode="iid", label="iid", widths=(3, 2), verify=run_verifier("mss", T1),
              q_seen=lambda q: target_probs(q.log(), SamplingConfig(0.7))),
 }
+
+
+def test_without_replacement_rule_skips_copies_of_rejected_siblings():
+    """A child q gives probability 0 is skipped (R and q unchanged): what makes a dynamic
+    drafter's padding (copies of a sibling) inert. It also makes i.i.d. children lossless under
+    the without-replacement rule: their distinct tokens, in order, are a sequential sample
+    without replacement, and each repeat is a copy of a rejected sibling."""
+    m = make_models(seed=11, peaked_q=True)
+    counts = simulate(m, (3, 2), "iid", run_verifier("mss", T1), seed=5, sampling=T1,
+                      label_mode="without_replacement")
+    p = pvalues(counts, exact_triples(m, T1))
+    assert min(p.values()) > ALPHA, p
 
 
 @pytest.mark.parametrize("bug", list(NEGATIVE))

@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.tree import TokenTree
-from stree.verify import (
-    Draft,
-    SamplingConfig,
-    Verdict,
-    default_verifier,
-    get_verifier,
-    sample_from,
-    target_probs,
-)
+from stree.verify import Verdict, default_verifier, get_verifier
 from stree.verify.base import children_table
 
 NEG = -1e4  # "impossible" logit that still has a finite softmax

@@ -15,23 +15,28 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from stree.verify import Draft, SamplingConfig, sample_from, target_probs
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.tree import TokenTree
 
 # Modes a drafter with sampled children can run in, see ``Draft.mode``.
 SAMPLED_MODES = ("without_replacement", "iid")
 
 
 class Drafter(ABC):
-    """Builds a :class:`stree.verify.Draft` of a fixed size with a patched draft model.
+    """Builds a :class:`stree.draft_types.Draft` of a fixed size with a patched draft model.
 
     Attributes (fixed per drafter, so the loop can size caches and buffers up front):
         mode: the ``Draft.mode`` it produces (a static drafter's None: chosen per sampling
             config, see :meth:`modes`).
         num_nodes: tree size ``n``, root included.
-        depth: drafted layers below the root (= draft ``tree_forward`` calls per draft).
+        depth: drafted layers below the root (= draft ``tree_forward`` calls per draft, see
+            ``draft_runs``); the accepted path is committed to the draft cut to ``depth`` nodes.
         num_forwarded: leading nodes covered by the last draft ``tree_forward`` (all but the
             deepest layer); 0 when the drafter never calls the draft model.
         max_leaves: upper bound on root-to-leaf paths of any tree it builds.
+    Dynamic drafters (``dynamic.py``) build trees of at most ``num_nodes`` nodes and report the
+    ``depth``, ``num_forwarded`` and ``draft_runs`` of their latest draft.
     """
 
     mode: str
@@ -56,6 +61,17 @@ class Drafter(ABC):
     def uses_draft_model(self) -> bool:
         return self.depth > 0
 
+    @property
+    def draft_runs(self) -> int:
+        """Draft ``tree_forward`` calls of a draft (of the latest one for dynamic drafters)."""
+        return self.depth
+
+    @property
+    def layered(self) -> bool:
+        """Whether every node above the deepest layer was forwarded by the draft (static shapes);
+        dynamic drafters leave nodes of their last round unforwarded at any depth."""
+        return True
+
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         """Modes this drafter can run in, best first for ``sampling``; overridden by drafters
         whose children may be sampled."""
@@ -66,6 +82,15 @@ class Drafter(ABC):
         if mode != self.mode:
             raise ValueError(f"{type(self).__name__} only drafts {self.mode!r} trees, not {mode!r}")
         return self
+
+    def prepare(self, target, draft) -> None:
+        """Called once by ``generate`` before decoding with the patched target and draft models
+        (a drafter that measures them, like ``auto``, does it here)."""
+
+    def observe(self, tree: TokenTree, path: Tensor) -> None:
+        """Feedback after verification: ``path (b, k)`` the accepted node indices of ``tree``
+        (root first, -1 padded; rows that finished are all -1). Drafters that tune themselves
+        online from the acceptance history override it."""
 
     @abstractmethod
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
@@ -133,22 +158,33 @@ def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Te
     return model.tree_forward(tree, cache)[:, start:end]
 
 
-def commit_draft(model, cache, tree, path: Tensor, counts: list[int], depth: int) -> bool:
+def level_logits(model, cache, tree: TokenTree, start: int, capacity: int) -> Tensor:
+    """Draft logits ``(b, n - start, v)`` of nodes ``start..n-1`` of the partial tree ``tree``
+    (``n`` nodes; nodes before ``start`` were forwarded by earlier calls): how dynamic drafters
+    run the draft model, once per round, through :func:`forward_level`."""
+    return forward_level(model, cache, tree, start, tree.num_nodes, capacity)
+
+
+def commit_draft(model, cache, tree, path: Tensor, counts: list[int], depth: int,
+                 layered: bool = True) -> bool:
     """Advance the draft cache along the target's accepted ``path (b, k)`` of ``counts[r]`` nodes
     per row (host ints; no device sync). ``depth``: the drafter's depth (its deepest layer was
-    never forwarded). Returns False when the caller must run the path as a chain instead (a
-    ``tree_forward`` model whose last call did not cover the path).
+    never forwarded). ``layered``: the drafter forwarded every node above its deepest layer (static
+    drafters); a dynamic drafter's last round adds unforwarded nodes at any depth, so the last node
+    of every row's path is run (a forwarded one again, which recomputes the same state). Returns
+    False when the caller must run the path as a chain instead (a ``tree_forward`` model whose last
+    call did not cover the path).
 
     After ``forward_level``: nodes of the deepest level that end an accepted path run once, one
     node per row from its parent's state, then the committed state becomes the state of each
     row's last path node (no replay, no chain).
     """
     if not hasattr(model, "level_forward"):
-        if max(counts) <= depth:  # layered: the path stops above the never-forwarded layer
+        if layered and max(counts) <= depth:  # layered: the path stops above the never-forwarded layer
             cache.commit(path[:, :depth], counts)
             return True
         return False
-    if max(counts) - 1 > cache.pending.forwarded_depth:
+    if not layered or max(counts) - 1 > cache.pending.forwarded_depth:
         last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
         nodes = path.gather(1, last[:, None]).clamp(min=0)  # rows ending higher redo their node
         model.level_forward(tree, cache, nodes)

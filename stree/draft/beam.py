@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from stree.draft.base import Drafter, forward_level
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, target_probs
 from stree.tree import TokenTree
-from stree.verify import Draft, SamplingConfig, target_probs
 
 
 @dataclass(frozen=True)

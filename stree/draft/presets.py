@@ -2,7 +2,10 @@
 
 Spec strings: ``"chain:K"``, ``"static:NAME"`` (NAME in :data:`STATIC_TREES`), ``"static:w1,w2,..."``
 (layer widths), either static form with a ``":MODE"`` suffix (``"static:fig4a:iid"``),
-``"beam:NxM"`` (N steps, M beams), or a bare static name (``"fig4a"``, ``"A"``).
+``"beam:NxM"`` (N steps, M beams), or a bare static name (``"fig4a"``, ``"A"``). Dynamic trees
+(a shape per step and row, see ``dyspec.py`` and ``dynatree.py``): ``"dyspec:N[:D[:VT]]"``,
+``"dyspec-threshold:T[:N[:D]]"``, ``"dynatree:DxB:N[:TAU]"``, ``"dynatree2[:N]"``; ``"auto"``
+picks among chains, static presets and DySpec budgets by predicted tokens/s (``auto.py``).
 
 The paper gives the static trees only as images (Fig. 4a, appendix Fig. 5) and Table 3's numbers
 (max width, depth below the root, tokens with the root). The shapes chosen here match those numbers
@@ -28,6 +31,8 @@ import re
 from stree.draft.base import Drafter
 from stree.draft.beam import BeamTreeDrafter
 from stree.draft.chain import ChainDrafter
+from stree.draft.dynatree import DynaTree2Drafter, DynaTreeDrafter
+from stree.draft.dyspec import DySpecDrafter
 from stree.draft.static import StaticTreeDrafter
 
 STATIC_TREES: dict[str, tuple[int, ...]] = {
@@ -41,7 +46,10 @@ STATIC_TREES: dict[str, tuple[int, ...]] = {
 
 _MODES = ("deterministic", "iid", "without_replacement")
 _HELP = ("expected 'chain:K', 'static:NAME' or 'static:W1,W2,...' (optionally ':MODE'), "
-         f"'beam:NxM', or a bare static name; NAME in {sorted(STATIC_TREES)}, MODE in {list(_MODES)}")
+         "'beam:NxM', 'dyspec:N[:D[:VT]]', 'dyspec-threshold:T[:N[:D]]', 'dynatree:DxB:N[:TAU]', "
+         f"'dynatree2[:N]', 'auto', or a bare static name; NAME in {sorted(STATIC_TREES)}, "
+         f"MODE in {list(_MODES)}")
+_NUM = r"(\d+(?:\.\d*)?(?:e-?\d+)?)"
 
 
 def parse_drafter(spec: str | Drafter) -> Drafter:
@@ -57,6 +65,19 @@ def parse_drafter(spec: str | Drafter) -> Drafter:
         return ChainDrafter(int(rest))
     if kind == "beam" and (m := re.fullmatch(r"(\d+)x(\d+)", rest)):
         return BeamTreeDrafter(int(m[1]), int(m[2]))
+    if kind == "dyspec" and (m := re.fullmatch(r"(\d+)(?::(\d+)(?::" + _NUM + ")?)?", rest)):
+        return DySpecDrafter(int(m[1]), int(m[2] or 10), value_temperature=float(m[3] or 0.6))
+    if kind == "dyspec-threshold" and (m := re.fullmatch(_NUM + r"(?::(\d+))?(?::(\d+))?", rest)):
+        return DySpecDrafter(int(m[2] or 32), int(m[3] or 10), threshold=float(m[1]))
+    if kind == "dynatree" and (m := re.fullmatch(r"(\d+)x(\d+):(\d+)(?::" + _NUM + ")?", rest)):
+        return DynaTreeDrafter(int(m[3]), int(m[1]), branch=int(m[2]),
+                               tau=float(m[4]) if m[4] else 0.05)
+    if kind == "auto" and not rest:
+        from stree.draft.auto import AutoDrafter  # auto's candidates are parsed here too
+
+        return AutoDrafter()
+    if kind == "dynatree2" and (m := re.fullmatch(r"(\d*)", rest)):
+        return DynaTree2Drafter(int(m[1] or 32))
     if kind == "static" and rest:
         shape, _, mode = rest.partition(":")
         if mode and mode not in _MODES:

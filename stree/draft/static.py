@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from stree.draft.base import SAMPLED_MODES, Drafter, forward_level, pick_children
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig
 from stree.tree import TokenTree, parents_from_widths
-from stree.verify import Draft, SamplingConfig
 
 
 @dataclass(frozen=True)

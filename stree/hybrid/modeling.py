@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stree.verify.sampling import SamplingConfig, sample_from, target_probs
+from stree.sampling import SamplingConfig, sample_from, target_probs
 
 from .attention import LlamaAttention
 from .cache import AttentionLayerCache, InferenceCache

@@ -1,4 +1,4 @@
-"""Speculative-decoding data types, the verifier protocol and registry, and the shared tree walk.
+"""The verdict type, the verifier protocol and registry, and the shared tree walk.
 
 Every verifier walks the drafted tree from the root: at the current node ``u`` it looks at the
 target logits after the root-to-``u`` path and at ``u``'s children (draft order = index order), and
@@ -10,41 +10,14 @@ The walk is batched over rows and has a static trip count (``max_depth + 1`` nod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from stree.draft_types import DRAFT_MODES, Draft
 from stree.kernels._common import debug_checks
-from stree.verify.sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    from stree.tree import TokenTree
-
-DRAFT_MODES = ("deterministic", "iid", "without_replacement", "chain")
-
-
-@dataclass
-class Draft:
-    """A drafted token tree and how its children were chosen.
-
-    tree: ``stree.tree.TokenTree`` with tokens (b, n); node 0 is the root (last committed token).
-    q: (b, n, v) or None. ``q[b, i]`` is the exact distribution node i's children were drawn from
-        (after the drafter's own temperature / top-k / top-p; verifiers never re-transform it).
-        Rows of leaves are unused. Needed by ``mss`` and ``sps`` at temperature > 0.
-    mode: how children were chosen, one of ``DRAFT_MODES``:
-        "deterministic" (top-k / static / beam: chosen, not sampled), "iid" (i.i.d. with
-        replacement from q), "without_replacement" (sequentially, without replacement, from q
-        renormalised; draft order = sampling order), "chain" (one sampled path; iid with one child).
-    """
-
-    tree: "TokenTree"
-    q: Tensor | None
-    mode: str
-
-    def __post_init__(self):
-        if self.mode not in DRAFT_MODES:
-            raise ValueError(f"unknown draft mode {self.mode!r}; expected one of {DRAFT_MODES}")
+from stree.sampling import SamplingConfig
 
 
 @dataclass
@@ -186,13 +159,16 @@ def first_match(step: NodeStep, token: Tensor) -> Tensor:
 
 
 def get_verifier(name_or_obj) -> Verifier:
-    """A verifier by name ("greedy", "mss", "naive", "sps"); an object with verify/check as is."""
+    """A verifier by name ("greedy", "mss", "naive", "sps", "asps"); an object with verify/check
+    as is."""
+    from stree.verify.asps import ASpSVerifier
     from stree.verify.greedy import GreedyVerifier
     from stree.verify.mss import MSSVerifier
     from stree.verify.naive import NaiveVerifier
     from stree.verify.sps import SpSVerifier
 
-    registry = {cls.name: cls for cls in (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier)}
+    classes = (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier, ASpSVerifier)
+    registry = {cls.name: cls for cls in classes}
     if isinstance(name_or_obj, str):
         if name_or_obj not in registry:
             raise ValueError(

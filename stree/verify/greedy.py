@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stree.verify.base import Draft, NodeStep, Verdict, first_match, validate, walk
-from stree.verify.sampling import SamplingConfig
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig
+from stree.verify.base import NodeStep, Verdict, first_match, validate, walk
 
 
 def greedy_rule(step: NodeStep) -> tuple[Tensor, Tensor]:

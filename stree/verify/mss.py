@@ -9,16 +9,20 @@ At node u with target p and draft q, children tested in draft order:
 The with-replacement update is lossless iff the children are i.i.d. draws from q ("iid", "chain");
 the without-replacement one (DySpec Alg. 3 / Sequoia / SpecExec) iff they were drawn sequentially
 without replacement ("without_replacement"). Neither is lossless for chosen ("deterministic")
-children at temperature > 0, which ``check`` refuses.
+children at temperature > 0, which ``check`` refuses. A child the current q gives probability 0
+cannot have been drawn from it: it is skipped, R and q unchanged. Such children are copies of a
+rejected sibling (a dynamic drafter's padding, see ``stree.draft.dynamic``) or draws past q's
+support, so skipping them is lossless.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from stree.verify.base import Draft, NodeStep, Verdict, validate, walk
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.verify.base import NodeStep, Verdict, validate, walk
 from stree.verify.greedy import greedy_rule
-from stree.verify.sampling import SamplingConfig, sample_from, target_probs
 
 # Below this total variation (R - q)+ is treated as empty. A rejection there has probability
 # <= _RESIDUAL_EPS, so keeping R instead costs at most that much in distribution.
@@ -48,7 +52,9 @@ def mss_rule(step: NodeStep, sampling: SamplingConfig, without_replacement: bool
         # treat it as a rejection (probability-zero event, so any choice is lossless).
         accept = live & (q_tok > 0) & (u * q_tok < r_tok)
         slot = torch.where(accept, j, slot)
-        reject = (live & ~accept).unsqueeze(1)
+        # A child q gives probability 0 was not drawn from q (a later copy of a rejected sibling:
+        # a dynamic drafter's padding, or a draw past q's support): skip it, R and q unchanged.
+        reject = (live & ~accept & (q_tok > 0)).unsqueeze(1)
         resid = (R - Q).clamp_min(0)
         # (R - q)+ ~ 0 means R == q, where rejection has probability ~0 (only rounding or a
         # q[x] == 0 token gets here): keep R instead of dividing noise by ~0.

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stree.verify.base import Draft, NodeStep, Verdict, first_match, validate, walk
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.verify.base import NodeStep, Verdict, first_match, validate, walk
 from stree.verify.greedy import greedy_rule
-from stree.verify.sampling import SamplingConfig, sample_from, target_probs
 
 
 class NaiveVerifier:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stree.verify.base import Draft, Verdict, validate, walk
+from stree.draft_types import Draft
+from stree.sampling import SamplingConfig
+from stree.verify.base import Verdict, validate, walk
 from stree.verify.greedy import greedy_rule
 from stree.verify.mss import mss_rule
-from stree.verify.sampling import SamplingConfig
 
 
 def _is_chain(parents: Tensor) -> bool:
@@ -27,7 +28,7 @@ class SpSVerifier:
     def check(self, draft_mode: str, sampling: SamplingConfig) -> None:
         if draft_mode != "chain" and not sampling.is_greedy:
             raise ValueError(
-                f"the 'sps' verifier needs a sampled chain (draft mode 'chain'), got "
+                f"the {self.name!r} verifier needs a sampled chain (draft mode 'chain'), got "
                 f"{draft_mode!r} at {sampling}; use 'mss' for sampled trees or 'naive' for "
                 "deterministic ones")
 
