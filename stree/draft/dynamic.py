@@ -249,15 +249,18 @@ class GrowingTree:
         """Store the ordered candidates of the nodes just run (``logits (b, size - forwarded,
         v)``); ranked children are valued by the draft's softmax at ``value_temperature``."""
         b, cap = self.tokens.shape
-        if self.q is None:
-            self.q = torch.zeros(b, cap, logits.shape[-1], device=logits.device)
+        if self.cand_tok is None:
             self.cand_tok = torch.zeros(b, cap, K, dtype=torch.long, device=logits.device)
             self.cand_p = torch.zeros(b, cap, K, device=logits.device)
         picks, probs = pick_children(logits, K, mode, sampling, generator)
         ranked = mode == "deterministic"
         dist = (logits.float() / value_temperature).softmax(-1) if ranked else probs
         new = slice(self.forwarded, self.size)
-        self.q[:, new], self.cand_tok[:, new] = probs, picks
+        if probs is not None:  # None: ranked children at greedy sampling, where no verifier reads q
+            if self.q is None:
+                self.q = torch.zeros(b, cap, logits.shape[-1], device=logits.device)
+            self.q[:, new] = probs
+        self.cand_tok[:, new] = picks
         self.cand_p[:, new] = dist.gather(-1, picks)
         self.forwarded = self.size
 
@@ -301,4 +304,4 @@ class GrowingTree:
 
     def as_draft(self, mode: str) -> Draft:
         """The tree so far; ``q`` rows of nodes the draft never ran are 0 (leaves)."""
-        return Draft(self.partial(), self.q[:, :self.size], mode)
+        return Draft(self.partial(), None if self.q is None else self.q[:, :self.size], mode)
