@@ -16,8 +16,9 @@ Methods (``--methods``), all through ``stree.generate`` with batch size 1, one p
 
 Correctness first: at temperature 0 every method must emit exactly the same tokens for every prompt
 (greedy decoding is lossless), else the script prints the first difference and exits 1 before writing
-anything. Each (method, temperature) is warmed up once on the first prompt, then timed over all prompts;
-at T > 0 prompt i is sampled with a generator seeded ``seed + i`` for every method.
+anything. Each (method, temperature) is warmed up once on the first prompt, then timed over all prompts,
+prompt-major (every method on prompt i before prompt i + 1, so the machine's slow spells spread over
+all methods); at T > 0 prompt i is sampled with a generator seeded ``seed + i`` for every method.
 
 Per (method, temperature) it aggregates, over prompts: new tokens, target and draft calls, steps, tau
 (tokens per step, counted the same way for every method by ``stree.stats.GenerationStats``), the merged
@@ -184,15 +185,20 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
             # warm up once: lazy initialisation, Triton compilation, allocator growth
             run_one(target, draft, prompts[0], method, temperature, eos, cfg.seed,
                     min(WARMUP_TOKENS, cfg.max_new_tokens))
-            totals[method.label] = tot = GenerationStats(method.label)
+            totals[method.label] = GenerationStats(method.label)
             tokens[method.label] = []
-            for i, ids in enumerate(prompts):
+        # prompt-major: every method runs on a prompt before the next prompt, so a slow spell of
+        # a shared machine spreads over all methods instead of landing on one
+        for i, ids in enumerate(prompts):
+            for method in cfg.methods:
                 out = run_one(target, draft, ids, method, temperature, eos, cfg.seed + i,
                               cfg.max_new_tokens)
                 new = out.sequences[0, len(ids):out.lengths[0]].tolist()
                 tokens[method.label].append(new)
-                tot.merge(out.stats)
+                totals[method.label].merge(out.stats)
                 per_prompt.append(prompt_row(meta, method, temperature, i, len(ids), out.stats))
+        for method in cfg.methods:
+            tot = totals[method.label]
             print(f"  T={temperature:g} {method.label:<22} tau {tot.tau:5.2f}  "
                   f"{tot.tokens_per_s:8.1f} tok/s", flush=True)
         error = first_mismatch(tokens) if temperature == 0 else None
