@@ -172,17 +172,6 @@ def _in_scope(e):
     return False
 
 
-def wall(fn, repeats: int, inner: int = 1) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
-
-
 def measure(name: str, fn, setup, args, cuda: bool) -> dict:
     """One row: per-layer-type op counts, host syncs and wall time of ``fn`` (``setup`` before each)."""
     setup()
