@@ -85,3 +85,39 @@ def test_sampling_runs_with_mss_and_reports_stats(mamba_pair):
     assert out.lengths == [len(PROMPTS[0]) + 40] and s.new_tokens == 40
     assert sum(s.accept_hist.values()) == s.steps and s.tau >= 1.0
     assert s.tokens_per_s > 0 and s.draft_s > 0 and s.verify_s > 0 and s.replay_s > 0
+
+
+class TreeForwardOnly:
+    """A patched draft seen without ``level_forward``: drafters then re-run the partial tree from
+    the committed state at every level (``tree_forward``, exact against step decoding) and the
+    loop re-runs an accepted path as a chain. The oracle for the materialised node states."""
+
+    def __init__(self, model):
+        self.model, self.lm_head = model, model.lm_head
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def allocate_tree_cache(self, *args, **kwargs):
+        return self.model.allocate_tree_cache(*args, **kwargs)
+
+    def prefill(self, *args, **kwargs):
+        return self.model.prefill(*args, **kwargs)
+
+    def tree_forward(self, *args, **kwargs):
+        return self.model.tree_forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("drafter", ["static:fig4a", "beam:3x2", "dyspec:10", "dynatree:3x2:10"])
+def test_level_drafting_drafts_what_rerunning_the_tree_drafts(drafter):
+    """At T=0 drafts are deterministic functions of the draft's state, so the level-by-level draft
+    (each node once, from its parent's stored state; the committed state taken from the last
+    accepted node) must propose the same trees as re-running the partial tree, step after step:
+    the same acceptance histogram. A wrong stored state shows up as a different draft."""
+    target = make_hybrid((1, 3), seed=8)
+    draft = noisy_copy(target, 0.2, seed=2)
+    stree.patch(target), stree.patch(draft)
+    level = stree.generate(target, draft, PROMPTS, 64, drafter=drafter)
+    rerun = stree.generate(target, TreeForwardOnly(draft), PROMPTS, 64, drafter=drafter)
+    assert new_tokens(level) == new_tokens(rerun)
+    assert level.stats.accept_hist == rerun.stats.accept_hist and level.stats.tau > 1.2
