@@ -1,6 +1,6 @@
 """stree: speculative tree decoding for Mamba2 and hybrid Mamba2 + attention models.
 
-    model = stree.patch(model)                       # mamba_ssm MambaLMHeadModel or stree.hybrid
+    model = stree.patch(model)       # mamba_ssm, stree.hybrid or transformers Mamba2-family model
     cache = model.allocate_tree_cache(batch_size, max_seqlen)
     logits = model.prefill(input_ids, cache)         # (b, l, v); commits the prompt
     logits = model.tree_forward(tree, cache)         # (b, n, v); committed state unchanged
