@@ -119,7 +119,7 @@ def _write(cache: AttentionLayerCache, k, v, pos):
 def tree_tables(tree, lengths: torch.Tensor, span: int, adapters, nodes=None) -> dict:
     """What every attention layer of one tree forward reuses, built once per tree: the mask
     (:func:`tree_mask`), rotary positions ``lengths + depth``, scratch slots ``lengths + i`` (with
-    the row index for advanced indexing) and one set of rotation matrices per rotary
+    the row index for advanced indexing), the key ``span`` and one set of rotation matrices per rotary
     configuration among ``adapters`` (the model's attention adapters).
 
     ``nodes (b, w)``: only these nodes are queried (level-by-level drafting): their mask rows,
@@ -132,7 +132,7 @@ def tree_tables(tree, lengths: torch.Tensor, span: int, adapters, nodes=None) ->
         mask = mask.gather(2, nodes[:, None, :, None].expand(-1, 1, -1, span))
         depth = depth.gather(1, nodes)
     positions = lengths[:, None] + depth
-    tables = dict(mask=mask, positions=positions, slots=(rows, lengths[:, None] + nodes))
+    tables = dict(mask=mask, positions=positions, slots=(rows, lengths[:, None] + nodes), span=span)
     for a in adapters:
         if hasattr(a, "rotary_tables") and a.rotary_key not in tables:
             tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))
@@ -153,10 +153,11 @@ def _rotate_by(x, rot):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, shared: dict):
+def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
     """Attention output ``(b, n, d_model)`` for the tree nodes ``h (b, n, d_model)``.
 
-    ``span`` = max committed length + n (keys read); ``shared`` = :func:`tree_tables` of the tree.
+    ``shared`` = :func:`tree_tables` of the tree; its ``span`` (keys read) is the max committed
+    length + n, or ``max_seqlen`` for a static-shape step (the mask hides the rest).
     """
     q, k, v = a.project_qkv(h)
     if hasattr(a, "rotary_tables"):
@@ -167,7 +168,7 @@ def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, sha
     # (b, n, hkv, d) written at [b, :, slot]: advanced indices first, so no transpose is needed
     cache.k[rows, :, slots] = k if k.dtype == cache.k.dtype else k.to(cache.k.dtype)
     cache.v[rows, :, slots] = v if v.dtype == cache.v.dtype else v.to(cache.v.dtype)
-    return a.o_proj(_attend(a, q, cache, span, shared["mask"])), AttentionActivations()
+    return a.o_proj(_attend(a, q, cache, shared["span"], shared["mask"])), AttentionActivations()
 
 
 def prefill(a, h, cache: AttentionLayerCache, start: int):
