@@ -92,6 +92,7 @@ class BenchConfig:
     dtype: str
     seed: int
     out: Path
+    compile: bool = False  # compiled verify steps and draft levels (methods stree can compile)
 
 
 # ---- setup -------------------------------------------------------------------------------
@@ -113,6 +114,8 @@ def parse_args(argv=None) -> BenchConfig:
                     help="default bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i at T > 0")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--compile", action="store_true",
+                    help="stree.generate(compile=True) for methods tree/chain/ar-tree with static trees")
     a = ap.parse_args(argv)
     target = a.target or (a.models and os.path.join(a.models, "target"))
     draft = a.draft or (a.models and os.path.join(a.models, "draft"))
@@ -125,7 +128,8 @@ def parse_args(argv=None) -> BenchConfig:
     dtype = a.dtype or ("bf16" if torch.device(a.device).type == "cuda" else "fp32")
     return BenchConfig(target=target, draft=draft, prompts=a.prompts, limit=a.limit,
                        max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, methods=methods,
-                       device=a.device, dtype=dtype, seed=a.seed, out=a.out)
+                       device=a.device, dtype=dtype, seed=a.seed, out=a.out,
+                       compile=a.compile)
 
 
 def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
@@ -145,16 +149,20 @@ def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
 # ---- runs --------------------------------------------------------------------------------
 
 def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: int,
-            max_new_tokens: int):
-    """One ``stree.generate`` call for one prompt; returns its GenerationOutput."""
-    from stree.generate import generate
+            max_new_tokens: int, compile: bool = False):
+    """One ``stree.generate`` call for one prompt; returns its GenerationOutput. ``compile``
+    applies to the methods stree compiles (tree, chain, ar-tree with a static drafter)."""
+    from stree.draft import parse_drafter
+    from stree.generate import COMPILED_METHODS, generate
 
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=ids.device).manual_seed(seed)
     return generate(target, draft if method.drafter else None, ids[None], max_new_tokens,
                     temperature=temperature, eos_token_id=eos, drafter=method.drafter,
-                    verifier=method.verifier, method=method.method, generator=generator)
+                    verifier=method.verifier, method=method.method, generator=generator,
+                    compile=compile and method.method in COMPILED_METHODS
+                    and (method.drafter is None or parse_drafter(method.drafter).layered))
 
 
 def first_mismatch(outputs: dict[str, list[list[int]]]) -> str | None:
@@ -184,7 +192,7 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
         for method in cfg.methods:
             # warm up once: lazy initialisation, Triton compilation, allocator growth
             run_one(target, draft, prompts[0], method, temperature, eos, cfg.seed,
-                    min(WARMUP_TOKENS, cfg.max_new_tokens))
+                    min(WARMUP_TOKENS, cfg.max_new_tokens), cfg.compile)
             totals[method.label] = GenerationStats(method.label)
             tokens[method.label] = []
         # prompt-major: every method runs on a prompt before the next prompt, so a slow spell of
@@ -192,7 +200,7 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
         for i, ids in enumerate(prompts):
             for method in cfg.methods:
                 out = run_one(target, draft, ids, method, temperature, eos, cfg.seed + i,
-                              cfg.max_new_tokens)
+                              cfg.max_new_tokens, cfg.compile)
                 new = out.sequences[0, len(ids):out.lengths[0]].tolist()
                 tokens[method.label].append(new)
                 totals[method.label].merge(out.stats)
@@ -307,6 +315,7 @@ def main(argv=None) -> int:
     eos = default_eos(cfg.target, tokenizer)
     prompts = encode_prompts(cfg, tokenizer, device)
     meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
+                compile=cfg.compile,
                 target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
                 prompt_set=cfg.prompts, limit=cfg.limit, n_prompts=len(prompts),
                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos)
