@@ -146,14 +146,14 @@ class TreeDecodingMixin:
 def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
     """Logits ``(b, n, vocab)`` of the tree ``tokens (b, n)`` and ``{layer: activations}``."""
     acts = {}
+    attn = _attention_tables(model, tables)
 
     def run(idx, mixer, h):
         if idx in tables["consts"]:
             out, acts[idx] = mamba2.tree_forward(mixer, h, layers[idx], tables["mamba"][idx],
                                                  impl=impl, k=tables["consts"][idx])
         else:
-            out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx],
-                                                    tables["attn"])
+            out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)
         return out
 
     return _stree_walk(model, tokens, run), acts
@@ -166,10 +166,11 @@ def level_step(model, tokens, layers: dict, states: dict, parent_slot, nodes, ta
     every node's state to its slot (``nodes + 1``) and attention K/V to the scratch."""
     b, w = tokens.shape
     rows = torch.arange(b, device=tokens.device)[:, None]
+    attn = _attention_tables(model, tables)
 
     def run(idx, mixer, h):
         if idx not in tables["consts"]:
-            return attention.tree_forward(attention.view(mixer), h, layers[idx], tables["attn"])[0]
+            return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
         ns = states[idx]
         # each node is a one-node tree from its parent's state; one recurrence step from
         # that state and the node's activations gives the node's own state
@@ -203,17 +204,21 @@ def _steps(model) -> Steps:
 
 def _tables(model, tree: TokenTree, mamba_tree: TokenTree, lengths, span: int, nodes=None) -> dict:
     """Everything the layers of one step read besides their state, built before they run: per
-    Mamba2 layer its constants and ``mamba_tree``'s conv/scan tables, for attention layers the
-    mask, positions, slots and rotations of ``tree`` (:func:`attention.tree_tables`)."""
-    consts, per_layer, adapters = {}, {}, []
+    Mamba2 layer its constants and ``mamba_tree``'s conv/scan tables; for attention layers what
+    :func:`_attention_tables` builds inside the step from ``tree``'s ancestor mask and depth."""
+    consts, per_layer = {}, {}
     for idx, mixer in _stree_mixers(model):
         if mamba2.is_mamba2(mixer):
             consts[idx] = mamba2.constants(mixer)
             per_layer[idx] = mamba_tree.conv_scan_tables(*mamba2.conv_shape(mixer))
-        else:
-            adapters.append(attention.view(mixer))
-    attn = attention.tree_tables(tree, lengths, span, adapters, nodes=nodes) if adapters else {}
-    return dict(consts=consts, mamba=per_layer, attn=attn)
+    tree_in = dict(ancestors=tree.mask, depth=tree.depth, lengths=lengths, span=span, nodes=nodes)
+    return dict(consts=consts, mamba=per_layer, tree=tree_in)
+
+
+def _attention_tables(model, tables: dict) -> dict:
+    """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)."""
+    adapters = [attention.view(m) for idx, m in _stree_mixers(model) if idx not in tables["consts"]]
+    return attention.tree_tables(adapters=adapters, **tables["tree"]) if adapters else {}
 
 
 def _level_states(model, cache: TreeCache, slots: int) -> dict:
