@@ -128,7 +128,8 @@ def run_generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     # Validate the cheap things before loading models: sampling values, tree spec, verifier pair.
     drafter = None if no_draft else (args.tree or ("chain:4" if args.method == "chain" else None))
-    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p))
+    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p),
+            args.compile)
     text = read_prompt(args)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

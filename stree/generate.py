@@ -94,10 +94,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     sampling = SamplingConfig(temperature, top_k, top_p)
-    drafter, verifier = resolve(method, drafter, verifier, sampling)
-    if compile and (method not in COMPILED_METHODS or not drafter.layered):
-        raise ValueError(f"compile=True needs a fixed tree template: methods {COMPILED_METHODS} "
-                         f"with a static drafter, got method {method!r}, drafter {drafter.name!r}")
+    drafter, verifier = resolve(method, drafter, verifier, sampling, compile)
     if drafter.uses_draft_model:
         _check_vocab(target, draft)
         drafter.prepare(target, draft)
@@ -139,12 +136,13 @@ def _finish(prompts, new, stats, start: float, eos: set[int], pad_token_id) -> G
     return _pack(prompts, new, pad, stats)
 
 
-def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
+def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: bool = False):
     """The (drafter with its draft mode fixed, verifier) pair ``generate`` will run.
 
     With no verifier, the drafter's preferred mode and its default lossless verifier. With a
     verifier, top-k children where it is lossless with them (greedy sampling, naive), else the
-    first sampled mode it accepts. Raises ValueError for a pair that would not be lossless.
+    first sampled mode it accepts. Raises ValueError for a pair that would not be lossless, and
+    with ``compile`` for a method or drafter without a fixed tree template.
     """
     if method in ("ar", "ar-tree"):
         if drafter is not None or verifier is not None:
@@ -167,6 +165,9 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
     if name in ("sps", "asps") and drafter.num_nodes != drafter.depth + 1:
         raise ValueError(f"the {name!r} verifier needs a chain drafter, got {drafter.name!r}; "
                          "use 'mss' or 'naive' for trees")
+    if compile and (method not in COMPILED_METHODS or not drafter.layered):
+        raise ValueError(f"compile=True needs a fixed tree template: methods {COMPILED_METHODS} "
+                         f"with a static drafter, got method {method!r}, drafter {drafter.name!r}")
     return drafter.with_mode(mode), verifier
 
 
