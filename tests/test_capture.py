@@ -1,12 +1,14 @@
-"""Compiled steps (``stree.capture``): the verify step and a draft level of a tiny hybrid compile
-with ``torch.compile(fullgraph=True)`` (no graph break, no host sync), give the eager logits
-within fp32 tolerance, and ``stree.generate(compile=True)`` emits the eager greedy tokens."""
+"""Compiled steps (``stree.capture``): the verify step and the draft levels of a tiny hybrid (and
+of a mamba_ssm model) compile with ``torch.compile(fullgraph=True)`` (a graph break or a host
+sync would raise), give the eager logits and states within fp32 tolerance, and
+``stree.generate(compile=True)`` emits the eager greedy tokens. The verify step runs through the
+default backend (inductor); the other tests use ``aot_eager`` (the same capture, no C++ build)."""
 import pytest
 import torch
 
 import stree
 from stree import capture
-from stree.draft.base import forward_level
+from stree.draft.base import commit_draft, forward_level
 from stree.patch import level_step, tree_step
 from stree.tree import TokenTree
 from tests.test_model_hybrid import VOCAB, make_hybrid
@@ -27,29 +29,45 @@ def _prefilled(model):
     return cache
 
 
-def test_compiled_steps_match_eager():
+def test_compiled_verify_step_matches_eager():
+    """The default backend (inductor: generated C++ on the CPU), one graph: the verify step."""
     torch.manual_seed(0)
     model = _model()
     tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
-    cache = _prefilled(model)
-    eager = model.tree_forward(tree, cache)
-    levels = [forward_level(model, cache, TokenTree(tree.tokens[:, :e], PARENTS[:e]), s, e, 5)
-              for s, e in [(0, 1), (1, 3)]]
+    eager = model.tree_forward(tree, _prefilled(model))
     cache = _prefilled(model)
     steps = capture.compiled_steps(model)
-    torch._dynamo.reset()
     with capture.compiled(model):
         assert model._stree_steps is steps and steps.static
         compiled = model.tree_forward(tree, cache)
-        compiled_levels = [forward_level(model, cache, TokenTree(tree.tokens[:, :e], PARENTS[:e]),
-                                         s, e, 5) for s, e in [(0, 1), (1, 3)]]
     assert getattr(model, "_stree_steps", None) is None  # eager again after the block
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-    for c, e in zip(compiled_levels, levels):
+    # fullgraph=True raises on a graph break, so this was one graph; and it really ran compiled
+    # (not eagerly after a backend failure)
+    assert steps.tree.fn is not tree_step
+
+
+def test_compiled_draft_levels_match_eager(monkeypatch):
+    """Every level of a draft and the commit's level through the same fullgraph capture (a
+    backend with no C++ compilation keeps it fast), then the committed states."""
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model = _model()
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
+    path, counts = torch.tensor([[0, 2, 4], [0, 1, 3]]), [3, 3]
+
+    def draft_and_commit(cache):
+        logits = [forward_level(model, cache, TokenTree(tree.tokens[:, :e], PARENTS[:e]), s, e, 5)
+                  for s, e in [(0, 1), (1, 3)]]
+        assert commit_draft(model, cache, tree, path, counts, depth=2)  # runs nodes 3 and 4
+        return logits, [t.clone() for c in cache.layers.values() for t in vars(c).values()]
+
+    eager, eager_state = draft_and_commit(_prefilled(model))
+    with capture.compiled(model):
+        compiled, compiled_state = draft_and_commit(_prefilled(model))
+    assert capture.compiled_steps(model).level.fn is not level_step
+    for c, e in zip(compiled + compiled_state, eager + eager_state):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
-    # fullgraph=True raises on a graph break, so reaching here means one graph per call; the
-    # functions really were compiled (not run eagerly after a backend failure)
-    assert steps.tree.fn is not tree_step and steps.level.fn is not level_step
 
 
 def test_generate_compiled_greedy_tokens_equal_eager(monkeypatch):
@@ -90,3 +108,25 @@ def test_mamba_ssm_steps_compile_without_graph_break(monkeypatch):
         compiled_level = forward_level(model, cache, level, 0, 1, 5)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled_level, eager_level, rtol=1e-4, atol=1e-4)
+
+
+def test_backend_failure_and_missing_compile_fall_back_to_eager(monkeypatch):
+    torch.manual_seed(2)
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
+    model = _model()
+    eager = model.tree_forward(tree, _prefilled(model))
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(capture, "BACKEND", broken)
+    with capture.compiled(model), pytest.warns(RuntimeWarning, match="running this step eagerly"):
+        fallback = model.tree_forward(tree, _prefilled(model))
+    torch.testing.assert_close(fallback, eager, rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(capture, "unavailable", lambda: "no torch.compile in this build")
+    other, prompt = _model(), torch.tensor([[1, 2, 3]])
+    with pytest.warns(RuntimeWarning, match="no torch.compile in this build; running eagerly"):
+        out = stree.generate(other, None, prompt, 5, method="ar-tree", compile=True)
+    assert getattr(other, "_stree_compiled", None) is None  # nothing was compiled
+    assert out.sequences.tolist() == stree.generate(other, None, prompt, 5, method="ar-tree").sequences.tolist()
