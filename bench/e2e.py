@@ -13,6 +13,9 @@ Methods (``--methods``), all through ``stree.generate`` with batch size 1, one p
 * ``unrolled:SPEC``: the same drafts verified as separate root-to-leaf chains (a correctness baseline);
 * any of these with ``@VERIFIER`` appended picks the verifier (``chain:4@asps``, ``tree:dyspec:16@naive``;
   default: the lossless default for the temperature).
+* ``+compile`` appended (``tree:static:2,2,2,2+compile``) runs ``stree.generate(compile=True)``
+  (tree, chain and ar-tree with a static drafter); ``--compile`` adds that row for every such method,
+  so eager and compiled run side by side (compiling happens in the warm-up).
 
 Correctness first: at temperature 0 every method must emit exactly the same tokens for every prompt
 (greedy decoding is lossless), else the script prints the first difference and exits 1 before writing
@@ -36,7 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,9 +51,11 @@ for _p in (str(_HERE.parent), str(_HERE)):  # run as a script from anywhere: str
 
 from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
 
+from stree.generate import COMPILED_METHODS  # noqa: E402
 from stree.stats import GenerationStats  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPILED = "+compile"
 DEFAULT_METHODS = ("ar", "chain:4", "tree:static:fig4a", "tree:beam:4x3")
 WARMUP_TOKENS = 8
 
@@ -64,9 +69,16 @@ class Method:
     method: str
     drafter: str | None
     verifier: str | None = None
+    compile: bool = False  # stree.generate(compile=True): a "+compile" suffix
 
     @classmethod
     def parse(cls, spec: str) -> "Method":
+        if spec.endswith(COMPILED):
+            m = cls.parse(spec[:-len(COMPILED)])
+            if not m.compilable:
+                raise ValueError(f"{spec!r}: compile applies to methods {COMPILED_METHODS} with a "
+                                 "static drafter")
+            return replace(m, label=spec, compile=True)
         body, _, verifier = spec.partition("@")
         kind, _, rest = body.partition(":")
         if kind in ("ar", "ar-tree") and not rest and not verifier:
@@ -77,6 +89,13 @@ class Method:
             return cls(spec, kind, rest, verifier or None)
         raise ValueError(f"unknown method {spec!r}: expected ar, ar-tree, chain:K, tree:SPEC or "
                          "unrolled:SPEC, the last three optionally with @VERIFIER")
+
+    @property
+    def compilable(self) -> bool:
+        from stree.draft import parse_drafter
+
+        return self.method in COMPILED_METHODS and (
+            self.drafter is None or parse_drafter(self.drafter).layered)
 
 
 @dataclass
@@ -113,6 +132,9 @@ def parse_args(argv=None) -> BenchConfig:
                     help="default bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i at T > 0")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--compile", action="store_true",
+                    help="also run every method stree can compile (tree, chain, ar-tree with a static "
+                         "drafter) compiled, as a row 'METHOD+compile' (or name those rows yourself)")
     a = ap.parse_args(argv)
     target = a.target or (a.models and os.path.join(a.models, "target"))
     draft = a.draft or (a.models and os.path.join(a.models, "draft"))
@@ -122,6 +144,10 @@ def parse_args(argv=None) -> BenchConfig:
         methods = [Method.parse(m) for m in a.methods]
     except ValueError as err:
         ap.error(str(err))
+    if a.compile:
+        labels = {m.label for m in methods}
+        methods += [Method.parse(m.label + COMPILED) for m in methods
+                    if m.compilable and not m.compile and m.label + COMPILED not in labels]
     dtype = a.dtype or ("bf16" if torch.device(a.device).type == "cuda" else "fp32")
     return BenchConfig(target=target, draft=draft, prompts=a.prompts, limit=a.limit,
                        max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, methods=methods,
@@ -154,7 +180,8 @@ def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: i
         generator = torch.Generator(device=ids.device).manual_seed(seed)
     return generate(target, draft if method.drafter else None, ids[None], max_new_tokens,
                     temperature=temperature, eos_token_id=eos, drafter=method.drafter,
-                    verifier=method.verifier, method=method.method, generator=generator)
+                    verifier=method.verifier, method=method.method, generator=generator,
+                    compile=method.compile)
 
 
 def first_mismatch(outputs: dict[str, list[list[int]]]) -> str | None:
@@ -182,7 +209,7 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
         tokens: dict[str, list[list[int]]] = {}
         totals: dict[str, GenerationStats] = {}
         for method in cfg.methods:
-            # warm up once: lazy initialisation, Triton compilation, allocator growth
+            # warm up once: lazy initialisation, Triton or torch.compile compilation, allocator growth
             run_one(target, draft, prompts[0], method, temperature, eos, cfg.seed,
                     min(WARMUP_TOKENS, cfg.max_new_tokens))
             totals[method.label] = GenerationStats(method.label)

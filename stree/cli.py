@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-type", choices=["auto", "transformers", "hybrid", "mamba"], default="auto",
                    help="checkpoint layout (auto: transformers if config.json names a supported class, "
                         "hybrid if mamba_config.json exists, else mamba)")
+    g.add_argument("--compile", action="store_true",
+                   help="run the verify step and draft levels compiled (torch.compile; static trees, "
+                        "methods tree, chain, ar-tree)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(g)
     from stree import demo
@@ -125,7 +128,8 @@ def run_generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     # Validate the cheap things before loading models: sampling values, tree spec, verifier pair.
     drafter = None if no_draft else (args.tree or ("chain:4" if args.method == "chain" else None))
-    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p))
+    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p),
+            args.compile)
     text = read_prompt(args)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -142,7 +146,7 @@ def run_generate(args) -> int:
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    eos_token_id=None if -1 in eos else eos,
                    drafter=drafter, verifier=args.verifier, method=args.method,
-                   generator=generator, streamer=streamer)
+                   generator=generator, streamer=streamer, compile=args.compile)
     print(out.stats.summary(), file=sys.stderr)
     return 0
 

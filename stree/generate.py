@@ -23,13 +23,14 @@ The methods share that loop and its statistics and differ only in the drafter an
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from stree import native
+from stree import capture, native
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
 from stree.draft.base import commit_draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
@@ -38,6 +39,8 @@ from stree.tree import TokenTree
 from stree.verify import default_verifier, get_verifier
 
 METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
+COMPILED_METHODS = ("tree", "chain", "ar-tree")
+COMPILED_SEQLEN_STEP = 512  # compile=True rounds the default max_seqlen up to a multiple of this
 DEFAULT_DRAFTERS = {"tree": "static:fig4a", "unrolled": "static:fig4a", "chain": "chain:4"}
 
 
@@ -56,7 +59,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
              top_k: int = 0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
              drafter: str | Drafter | None = None, verifier=None, method: str = "tree",
              generator: torch.Generator | None = None, streamer=None, pad_token_id: int | None = None,
-             max_seqlen: int | None = None) -> GenerationOutput:
+             max_seqlen: int | None = None, compile: bool = False) -> GenerationOutput:
     """Generate with speculative tree decoding (or a baseline) from patched target/draft models.
 
     Args:
@@ -76,6 +79,13 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             prompt, then the tokens of every step as they are accepted. Batch size 1 only.
         pad_token_id: pads ragged rows (default ``eos_token_id``, else 0).
         max_seqlen: cache capacity; default prompt + max_new_tokens + tree size.
+        compile: run the target's verify step and the draft levels compiled
+            (``torch.compile(fullgraph=True)``, see :mod:`stree.capture`; attention then reads
+            the whole ``max_seqlen`` span under its mask): one graph per model and template
+            shape, compiled on first use and kept on the model (the default ``max_seqlen`` is
+            rounded up to a multiple of 512 so that calls share graphs). Static-shape drafters and
+            methods "tree", "chain", "ar-tree" only. Where torch.compile is unavailable: a
+            RuntimeWarning and eager steps.
     Raises:
         ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
             mismatch, an empty prompt, or a sequence that would not fit ``max_seqlen``.
@@ -84,7 +94,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     sampling = SamplingConfig(temperature, top_k, top_p)
-    drafter, verifier = resolve(method, drafter, verifier, sampling)
+    drafter, verifier = resolve(method, drafter, verifier, sampling, compile)
     if drafter.uses_draft_model:
         _check_vocab(target, draft)
         drafter.prepare(target, draft)
@@ -93,6 +103,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     seqlen = _seqlen(prompts, max_new_tokens, drafter, max_seqlen)
+    if compile and max_seqlen is None:  # compiled steps span max_seqlen: one size for most prompts
+        seqlen = -(-seqlen // COMPILED_SEQLEN_STEP) * COMPILED_SEQLEN_STEP
     if streamer is not None and len(prompts) != 1:
         raise ValueError(f"a streamer needs batch size 1, got {len(prompts)} prompts")
     eos = set() if eos_token_id is None else (
@@ -110,7 +122,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     side = (_UnrolledTarget(target, b, drafter.max_leaves, seqlen) if method == "unrolled"
             else _PackedTarget(target, b, seqlen))
     drafting = _DraftSide(draft if drafter.uses_draft_model else None, drafter, b, seqlen, stats)
-    with torch.inference_mode():
+    with torch.inference_mode(), (capture.compiled(target, drafting.model) if compile
+                                   else contextlib.nullcontext()):
         new = _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, generator,
                     streamer, stats, device)
     return _finish(prompts, new, stats, start, eos, pad_token_id)
@@ -123,12 +136,13 @@ def _finish(prompts, new, stats, start: float, eos: set[int], pad_token_id) -> G
     return _pack(prompts, new, pad, stats)
 
 
-def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
+def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: bool = False):
     """The (drafter with its draft mode fixed, verifier) pair ``generate`` will run.
 
     With no verifier, the drafter's preferred mode and its default lossless verifier. With a
     verifier, top-k children where it is lossless with them (greedy sampling, naive), else the
-    first sampled mode it accepts. Raises ValueError for a pair that would not be lossless.
+    first sampled mode it accepts. Raises ValueError for a pair that would not be lossless, and
+    with ``compile`` for a method or drafter without a fixed tree template.
     """
     if method in ("ar", "ar-tree"):
         if drafter is not None or verifier is not None:
@@ -151,6 +165,9 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig):
     if name in ("sps", "asps") and drafter.num_nodes != drafter.depth + 1:
         raise ValueError(f"the {name!r} verifier needs a chain drafter, got {drafter.name!r}; "
                          "use 'mss' or 'naive' for trees")
+    if compile and (method not in COMPILED_METHODS or not drafter.layered):
+        raise ValueError(f"compile=True needs a fixed tree template: methods {COMPILED_METHODS} "
+                         f"with a static drafter, got method {method!r}, drafter {drafter.name!r}")
     return drafter.with_mode(mode), verifier
 
 

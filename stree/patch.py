@@ -7,6 +7,9 @@ change is three new methods; the model's own code paths are untouched.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from stree._mamba import mamba_ssm  # noqa: F401
@@ -14,7 +17,8 @@ from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_norm_fn, RMSNorm
 
 from stree import hf
-from stree.cache import LevelPending, MambaLayerCache, NodeStates, PendingTree, TreeCache
+from stree.cache import (AttentionActivations, LevelPending, MambaLayerCache, NodeStates, PendingTree,
+                         TreeCache)
 from stree.layers import attention, mamba2
 from stree.tree import TokenTree
 
@@ -92,26 +96,12 @@ class TreeDecodingMixin:
             raise ValueError(f"tree token {tree.max_token} out of range for vocab size {vocab}")
         cache.check_room(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
-        span = max(cache.seqlens) + tree.num_nodes
-        # mask, positions and slots of attention layers: once per tree, shared by every layer
-        adapters = [attention.view(m) for _, m in _stree_mixers(self) if not mamba2.is_mamba2(m)]
-        shared = attention.tree_tables(tree, cache.lengths, span, adapters) if adapters else {}
-        pending = PendingTree(tree)
-
-        def run(idx, mixer, h):
-            state = cache.layers[idx]
-            if mamba2.is_mamba2(mixer):
-                out, acts = mamba2.tree_forward(mixer, h, state, tree, impl=impl)
-            else:
-                out, acts = attention.tree_forward(attention.view(mixer), h, state, tree,
-                                                   cache.lengths, span, shared)
-            pending.layers[idx] = acts
-            return out
-
-        logits = _stree_walk(self, tree.tokens, run)
-        cache.pending = pending
+        steps = _steps(self)
+        span = cache.max_seqlen if steps.static else max(cache.seqlens) + tree.num_nodes
+        tables = _tables(self, tree, tree, cache.lengths, span)
+        logits, acts = steps.tree(self, tree.tokens, cache.layers, tables, impl)
+        cache.pending = PendingTree(tree, acts)
         return logits
-
 
     @torch.inference_mode()
     def level_forward(self, tree: TokenTree, cache: TreeCache, nodes: torch.Tensor, *,
@@ -132,46 +122,117 @@ class TreeDecodingMixin:
             raise ValueError(f"nodes {tuple(nodes.shape)} / tree batch {tree.batch_size} do not "
                              f"match the cache batch {cache.batch_size}")
         pending = cache.pending
-        start = first or not isinstance(pending, LevelPending)
-        if start:
-            pending = LevelPending(tree)
-        rows = torch.arange(b, device=nodes.device)[:, None]
-        parent_slot = tree.parents.gather(1, nodes) + 1  # root -> slot 0, the committed state
-        span = max(cache.seqlens) + tree.num_nodes
+        if first or not isinstance(pending, LevelPending):
+            # slot 0: the committed state, then room for every node
+            pending = LevelPending(tree, _level_states(self, cache, (capacity or tree.num_nodes) + 1))
         cache.check_room(tree.num_nodes)
-        adapters = [attention.view(m) for _, m in _stree_mixers(self) if not mamba2.is_mamba2(m)]
-        shared = (attention.tree_tables(tree, cache.lengths, span, adapters, nodes=nodes)
-                  if adapters else {})
-        one = _one_node_tree(b * w, nodes.device)
-
-        def run(idx, mixer, h):
-            state = cache.layers[idx]
-            if not mamba2.is_mamba2(mixer):
-                out, acts = attention.tree_forward(attention.view(mixer), h, state, tree,
-                                                   cache.lengths, span, shared)
-                pending.layers[idx] = acts
-                return out
-            if start:  # slot 0: the committed state, then room for every node
-                slots = (capacity or tree.num_nodes) + 1
-                conv = state.conv_state[:, None].expand(-1, slots, -1, -1).clone()
-                ssm = state.ssm_state[:, None].expand(-1, slots, -1, -1, -1).clone()
-                pending.layers[idx] = NodeStates(conv, ssm)
-            ns = pending.layers[idx]
-            # each node is a one-node tree from its parent's state; one recurrence step from
-            # that state and the node's activations gives the node's own state
-            parent = MambaLayerCache(ns.conv[rows, parent_slot].flatten(0, 1),
-                                     ns.ssm[rows, parent_slot].flatten(0, 1))
-            out, acts = mamba2.tree_forward(mixer, h.reshape(b * w, 1, -1), parent, one)
-            conv, ssm = mamba2.node_state(parent, acts)
-            ns.conv[rows, nodes + 1] = conv.unflatten(0, (b, w))
-            ns.ssm[rows, nodes + 1] = ssm.unflatten(0, (b, w))
-            return out.view(b, w, -1)
-
-        logits = _stree_walk(self, tree.tokens.gather(1, nodes), run)
+        steps = _steps(self)
+        span = cache.max_seqlen if steps.static else max(cache.seqlens) + tree.num_nodes
+        tables = _tables(self, tree, _one_node_tree(b * w, nodes.device), cache.lengths, span,
+                         nodes=nodes)
+        parent_slot = tree.parents.gather(1, nodes) + 1  # root -> slot 0, the committed state
+        logits = steps.level(self, tree.tokens.gather(1, nodes), cache.layers, pending.layers,
+                             parent_slot, nodes, tables, "auto")
         pending.tree = tree
         pending.forwarded_depth = tree.max_depth
         cache.pending = pending
         return logits
+
+
+# ------------------------------------------------------------------------------ the steps
+# What a tree forward and a draft level run once their tables are built: the model's layers on
+# tensors only (static shapes for a fixed template and span, no host reads), so that
+# ``stree.capture`` can compile them with ``torch.compile(fullgraph=True)``.
+def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
+    """Logits ``(b, n, vocab)`` of the tree ``tokens (b, n)`` and ``{layer: activations}``."""
+    acts = {}
+    attn = _attention_tables(model, tables)
+
+    def run(idx, mixer, h):
+        if idx in tables["consts"]:
+            out, acts[idx] = mamba2.tree_forward(mixer, h, layers[idx], tables["mamba"][idx],
+                                                 impl=impl, k=tables["consts"][idx])
+        else:
+            out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)
+        return out
+
+    return _stree_walk(model, tokens, run), acts
+
+
+def level_step(model, tokens, layers: dict, states: dict, parent_slot, nodes, tables: dict,
+               impl: str):
+    """Logits ``(b, w, vocab)`` of the level nodes ``nodes (b, w)`` (tokens ``(b, w)``), each
+    from its parent's slot ``parent_slot (b, w)`` of the :class:`NodeStates` ``states``; writes
+    every node's state to its slot (``nodes + 1``) and attention K/V to the scratch."""
+    b, w = tokens.shape
+    rows = torch.arange(b, device=tokens.device)[:, None]
+    attn = _attention_tables(model, tables)
+
+    def run(idx, mixer, h):
+        if idx not in tables["consts"]:
+            return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
+        ns = states[idx]
+        # each node is a one-node tree from its parent's state; one recurrence step from
+        # that state and the node's activations gives the node's own state
+        parent = MambaLayerCache(ns.conv[rows, parent_slot].flatten(0, 1),
+                                 ns.ssm[rows, parent_slot].flatten(0, 1))
+        out, acts = mamba2.tree_forward(mixer, h.reshape(b * w, 1, -1), parent,
+                                        tables["mamba"][idx], impl=impl, k=tables["consts"][idx])
+        conv, ssm = mamba2.node_state(parent, acts)
+        ns.conv[rows, nodes + 1] = conv.unflatten(0, (b, w))
+        ns.ssm[rows, nodes + 1] = ssm.unflatten(0, (b, w))
+        return out.view(b, w, -1)
+
+    return _stree_walk(model, tokens, run)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The step functions a patched model runs: eager by default; ``stree.capture`` installs
+    compiled ones, which need ``static`` shapes (attention over the whole ``max_seqlen``)."""
+    tree: Callable = tree_step
+    level: Callable = level_step
+    static: bool = False
+
+
+EAGER = Steps()
+
+
+def _steps(model) -> Steps:
+    return getattr(model, "_stree_steps", None) or EAGER
+
+
+def _tables(model, tree: TokenTree, mamba_tree: TokenTree, lengths, span: int, nodes=None) -> dict:
+    """Everything the layers of one step read besides their state, built before they run: per
+    Mamba2 layer its constants and ``mamba_tree``'s conv/scan tables; for attention layers what
+    :func:`_attention_tables` builds inside the step from ``tree``'s ancestor mask and depth."""
+    consts, per_layer = {}, {}
+    for idx, mixer in _stree_mixers(model):
+        if mamba2.is_mamba2(mixer):
+            consts[idx] = mamba2.constants(mixer)
+            per_layer[idx] = mamba_tree.conv_scan_tables(*mamba2.conv_shape(mixer))
+    tree_in = dict(ancestors=tree.mask, depth=tree.depth, lengths=lengths, span=span, nodes=nodes)
+    return dict(consts=consts, mamba=per_layer, tree=tree_in)
+
+
+def _attention_tables(model, tables: dict) -> dict:
+    """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)."""
+    adapters = [attention.view(m) for idx, m in _stree_mixers(model) if idx not in tables["consts"]]
+    return attention.tree_tables(adapters=adapters, **tables["tree"]) if adapters else {}
+
+
+def _level_states(model, cache: TreeCache, slots: int) -> dict:
+    """Pending layers of a tree drafted level by level: per Mamba2 layer :class:`NodeStates` with
+    ``slots`` copies of the committed state, per attention layer its K/V scratch marker."""
+    states = {}
+    for idx, mixer in _stree_mixers(model):
+        if not mamba2.is_mamba2(mixer):
+            states[idx] = AttentionActivations()
+            continue
+        state = cache.layers[idx]
+        states[idx] = NodeStates(state.conv_state[:, None].expand(-1, slots, -1, -1).clone(),
+                                 state.ssm_state[:, None].expand(-1, slots, -1, -1, -1).clone())
+    return states
 
 
 _ONE_NODE: dict = {}

@@ -160,6 +160,17 @@ class TokenTree:
             self._windows["scan"] = (mask_f, bias[:, None])
         return self._windows["scan"]
 
+    def conv_scan_tables(self, width: int, channels: int) -> dict:
+        """What a Mamba2 layer with a ``width``-tap conv over ``channels`` reads of this tree:
+        ``window`` (:meth:`conv_window`), ``mask``, and on the CPU ``gather``
+        (:meth:`conv_gather_index`) and ``scan`` (:meth:`scan_tables`), else None (the Triton
+        kernels read window and mask). Built (and cached) before the layers run, so a compiled
+        step reads only tensors."""
+        cpu = not self.tokens.is_cuda
+        return dict(window=self.conv_window(width), mask=self.mask,
+                    gather=self.conv_gather_index(width, channels) if cpu else None,
+                    scan=self.scan_tables() if cpu else None)
+
     def children(self, row: int, node: int) -> list[int]:
         """Children of ``node`` in row ``row``, in index (= draft) order. Host-side helper."""
         if self._children is None:

@@ -88,9 +88,15 @@ def test_method_specs():
     assert e2e.Method.parse("chain:4@asps") == e2e.Method("chain:4@asps", "chain", "chain:4", "asps")
     assert e2e.Method.parse("tree:dynatree:6x2:16") == e2e.Method("tree:dynatree:6x2:16", "tree",
                                                                   "dynatree:6x2:16")
-    for bad in ("ar@greedy", "tree", "chain@sps", "foo:1"):
+    assert e2e.Method.parse("tree:static:2,2+compile") == e2e.Method(
+        "tree:static:2,2+compile", "tree", "static:2,2", compile=True)
+    for bad in ("ar@greedy", "tree", "chain@sps", "foo:1", "ar+compile", "tree:dyspec:8+compile"):
         with pytest.raises(ValueError):
             e2e.Method.parse(bad)
+    cfg = e2e.parse_args(["--models", "m", "--methods", "ar", "tree:static:2,2", "tree:dyspec:8",
+                          "--compile"])
+    assert [m.label for m in cfg.methods] == ["ar", "tree:static:2,2", "tree:dyspec:8",
+                                              "tree:static:2,2+compile"]
 
 
 def test_first_mismatch_names_prompt_method_and_position():

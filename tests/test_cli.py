@@ -58,6 +58,7 @@ def copy_model(tmp_path, src=TARGET, name="m"):
     (["--tree", "static:fig4a", "--verifier", "greedy", "--temperature", "1"], "greedy verifier"),
     (["--method", "chain", "--tree", "static:A"], "chain drafter"),
     (["--max-new-tokens", "-3"], "max-new-tokens must be >= 0"),
+    (["--tree", "dyspec:8", "--compile"], "compile=True needs a fixed tree template"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_bad_generation_options(capsys, extra, pattern):
     assert_error(capsys, gen(*extra), pattern)
@@ -287,3 +288,25 @@ def test_no_progress_bar_between_lines_on_a_terminal(stdout_tty):
     s.end()
     assert out.getvalue() == tok.decode(ids) + "\n"  # the text alone, nothing drawn into it
     assert (err.getvalue() == "") == stdout_tty  # a bar on stderr only when stdout is redirected
+
+
+def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
+    generation = sys.modules["stree.generate"]  # the module (stree.generate is the function)
+    target = FakeLM(vocab_size=23)
+    _word_tokenizer(tmp_path, 23)
+    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind: target)
+    seen = {}
+    real = generation.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **{**kwargs, "compile": False})  # a FakeLM has no steps to compile
+
+    monkeypatch.setattr(generation, "generate", spy)
+    for name in ("T", "D"):
+        (tmp_path / name).mkdir()
+    rc, _, err = run(capsys, "generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
+                     "--prompt", "w1 w2", "--max-new-tokens", "5", "--tokenizer", str(tmp_path),
+                     "--tree", "static:2,2", "--no-progress", "--compile")
+    assert rc == 0, err
+    assert seen["compile"] is True

@@ -85,14 +85,15 @@ def allocate(a, batch_size: int, max_seqlen: int, dtype, device) -> AttentionLay
                                torch.zeros(shape, dtype=dtype, device=device))
 
 
-def tree_mask(tree, lengths: torch.Tensor, span: int) -> torch.Tensor:
+def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
     """``(b, 1, n, span)`` bool: key j visible to node i iff j < lengths[b] (committed prefix) or
-    j = lengths[b] + a for an ancestor-or-self a of i. Built once per tree, shared by all layers."""
-    b, n = tree.tokens.shape
+    j = lengths[b] + a for an ancestor-or-self a of i (``ancestors``: the tree's ``mask (b, n, n)``).
+    Built once per tree, shared by all layers."""
+    b, n, _ = ancestors.shape
     j = torch.arange(span, device=lengths.device)
     rel = j[None, :] - lengths[:, None]  # (b, span) offset into the tree scratch
     in_tree = (rel >= 0) & (rel < n)
-    anc = tree.mask.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, span))
+    anc = ancestors.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, span))
     visible = (rel[:, None, :] < 0) | (in_tree[:, None, :] & anc)
     return visible[:, None]
 
@@ -116,23 +117,25 @@ def _write(cache: AttentionLayerCache, k, v, pos):
     cache.v.scatter_(2, idx, v.transpose(1, 2).to(cache.v.dtype))
 
 
-def tree_tables(tree, lengths: torch.Tensor, span: int, adapters, nodes=None) -> dict:
-    """What every attention layer of one tree forward reuses, built once per tree: the mask
-    (:func:`tree_mask`), rotary positions ``lengths + depth``, scratch slots ``lengths + i`` (with
-    the row index for advanced indexing) and one set of rotation matrices per rotary
-    configuration among ``adapters`` (the model's attention adapters).
+def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, span: int,
+                adapters, nodes=None) -> dict:
+    """What every attention layer of one tree forward reuses, built once per tree from its
+    ancestor ``mask (b, n, n)`` and ``depth (b, n)``: the mask (:func:`tree_mask`), rotary
+    positions ``lengths + depth``, scratch slots ``lengths + i`` (with the row index for advanced
+    indexing), the key ``span`` and one set of rotation matrices per rotary configuration among
+    ``adapters`` (the model's attention adapters).
 
     ``nodes (b, w)``: only these nodes are queried (level-by-level drafting): their mask rows,
     positions and slots; the K/V of their ancestors must already sit in the scratch."""
-    rows = torch.arange(tree.batch_size, device=lengths.device)[:, None]
-    mask, depth = tree_mask(tree, lengths, span), tree.depth
+    rows = torch.arange(depth.shape[0], device=lengths.device)[:, None]
+    mask = tree_mask(ancestors, lengths, span)
     if nodes is None:
-        nodes = torch.arange(tree.num_nodes, device=lengths.device)[None]
+        nodes = torch.arange(depth.shape[1], device=lengths.device)[None]
     else:
         mask = mask.gather(2, nodes[:, None, :, None].expand(-1, 1, -1, span))
         depth = depth.gather(1, nodes)
     positions = lengths[:, None] + depth
-    tables = dict(mask=mask, positions=positions, slots=(rows, lengths[:, None] + nodes))
+    tables = dict(mask=mask, positions=positions, slots=(rows, lengths[:, None] + nodes), span=span)
     for a in adapters:
         if hasattr(a, "rotary_tables") and a.rotary_key not in tables:
             tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))
@@ -153,10 +156,11 @@ def _rotate_by(x, rot):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, shared: dict):
+def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
     """Attention output ``(b, n, d_model)`` for the tree nodes ``h (b, n, d_model)``.
 
-    ``span`` = max committed length + n (keys read); ``shared`` = :func:`tree_tables` of the tree.
+    ``shared`` = :func:`tree_tables` of the tree; its ``span`` (keys read) is the max committed
+    length + n, or ``max_seqlen`` for a static-shape step (the mask hides the rest).
     """
     q, k, v = a.project_qkv(h)
     if hasattr(a, "rotary_tables"):
@@ -167,7 +171,7 @@ def tree_forward(a, h, cache: AttentionLayerCache, tree, lengths, span: int, sha
     # (b, n, hkv, d) written at [b, :, slot]: advanced indices first, so no transpose is needed
     cache.k[rows, :, slots] = k if k.dtype == cache.k.dtype else k.to(cache.k.dtype)
     cache.v[rows, :, slots] = v if v.dtype == cache.v.dtype else v.to(cache.v.dtype)
-    return a.o_proj(_attend(a, q, cache, span, shared["mask"])), AttentionActivations()
+    return a.o_proj(_attend(a, q, cache, shared["span"], shared["mask"])), AttentionActivations()
 
 
 def prefill(a, h, cache: AttentionLayerCache, start: int):

@@ -128,32 +128,38 @@ def allocate(m, batch_size: int, dtype=None) -> MambaLayerCache:
     return MambaLayerCache(conv, ssm)
 
 
-def tree_forward(m, u, state: MambaLayerCache, tree, impl: str = "auto"):
+def tree_forward(m, u, state: MambaLayerCache, tables: dict, impl: str = "auto", k: dict | None = None):
     """Mixer output for every tree node from the committed state, without writing it.
 
     Args:
         m: the Mamba2 module; u: ``(b, n, d_model)`` normalised hidden states of the tree nodes.
+        tables: ``TokenTree.conv_scan_tables(width, channels)`` of the tree (built before the
+            layers run, so this function reads no Python-side cache).
+        k: :func:`constants` of ``m`` (looked up when None).
     Returns:
         ``(out (b, n, d_model), MambaActivations)`` — the latter is what replay needs.
     """
-    k = constants(m)
+    k = constants(m) if k is None else k
     parts = k["parts"]
     fold = k["in_bias"] is not None  # dt_bias added by the projection
     proj = F.linear(u, m.in_proj.weight, k["in_bias"]) if fold else m.in_proj(u)
     z, xbc, dt, mlp_in = parts.split(proj)
-    w, c = k["conv_weight"].shape[1], xbc.shape[-1]
     conv_out = tree_conv(xbc, state.conv_state, k["conv_weight"], k["conv_bias"],
-                         tree.conv_window(w), activation="silu", impl=impl,
-                         gather_index=None if xbc.is_cuda else tree.conv_gather_index(w, c))
+                         tables["window"], activation="silu", impl=impl,
+                         gather_index=tables["gather"])
     x, B, C = parts.split_xbc(conv_out)
     z_scan = rearrange(z, "b l (h p) -> b l h p", p=m.headdim) if parts.z_in_scan else None
-    y, dt_proc = tree_scan(x, dt, k["A"], B, C, tree.mask, D=k["D"], z=z_scan,
+    y, dt_proc = tree_scan(x, dt, k["A"], B, C, tables["mask"], D=k["D"], z=z_scan,
                            dt_bias=None if fold else m.dt_bias,
                            dt_softplus=True, dt_limit=k["dt_limit"],
-                           initial_states=state.ssm_state, impl=impl,
-                           tables=None if x.is_cuda else tree.scan_tables())
+                           initial_states=state.ssm_state, impl=impl, tables=tables["scan"])
     out = parts.finish(y, z, mlp_in)
     return out, MambaActivations(xbc=xbc, x=x, dt=dt_proc, B=B, A=k["A"])
+
+
+def conv_shape(m) -> tuple[int, int]:
+    """``(width, channels)`` of the module's causal conv: the keys of its tree tables."""
+    return m.conv1d.weight.shape[-1], m.conv1d.weight.shape[0]
 
 
 def prefill(m, u, state: MambaLayerCache):

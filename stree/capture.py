@@ -1,0 +1,89 @@
+"""Compiled decoding steps: ``torch.compile(fullgraph=True)`` of a patched model's tree forward
+(the target's verify step) and draft level, for a fixed tree template.
+
+The steps (``stree.patch.tree_step`` / ``level_step``) read only tensors: every table is built
+before them, and with ``static`` steps attention reads the whole ``max_seqlen`` key span under
+the mask (per-row lengths stay on the device), so a template has fixed shapes and the step has no
+host synchronisation. One graph is compiled per model and shape: the verify tree, and each
+level width of the draft.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from stree.patch import Steps, level_step, tree_step
+
+BACKEND = "inductor"  # torch.compile's backend for the steps
+
+
+def unavailable() -> str | None:
+    """Why ``torch.compile`` cannot run here, or None."""
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    try:
+        import torch._dynamo as dynamo
+        if not dynamo.is_dynamo_supported():
+            return "torch.compile is not supported on this Python / platform"
+    except Exception as err:  # noqa: BLE001 - any import or probe failure means: not available
+        return f"torch.compile is unavailable ({err})"
+    return None
+
+
+def compiled_steps(model) -> Steps:
+    """The compiled :class:`stree.patch.Steps` of a patched ``model`` (built once per model)."""
+    steps = getattr(model, "_stree_compiled", None)
+    if steps is None:
+        import torch._dynamo as dynamo
+        # one graph per model and shape (verify tree, each draft level width): the shared step
+        # functions must not fall back to eager after dynamo's default of 8
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+        steps = Steps(tree=_Fallback(_compile(tree_step), tree_step),
+                      level=_Fallback(_compile(level_step), level_step), static=True)
+        model._stree_compiled = steps
+    return steps
+
+
+def _compile(fn):
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
+
+
+@contextmanager
+def compiled(*models):
+    """Run the patched ``models`` (None entries skipped) with compiled steps inside the block.
+
+    Where ``torch.compile`` is unavailable, warns (RuntimeWarning, with the reason) and runs
+    them eagerly."""
+    models = [m for m in models if m is not None]
+    reason = unavailable()
+    if reason is not None:
+        warnings.warn(f"compile=True: {reason}; running eagerly", RuntimeWarning, stacklevel=3)
+        yield
+        return
+    before = [getattr(m, "_stree_steps", None) for m in models]
+    for m in models:
+        m._stree_steps = compiled_steps(m)
+    try:
+        yield
+    finally:
+        for m, b in zip(models, before):
+            m._stree_steps = b
+
+
+class _Fallback:
+    """A compiled step that runs ``eager`` (same static shapes) from the first time its backend
+    fails to compile (e.g. no C++ compiler for the CPU backend), after one RuntimeWarning."""
+
+    def __init__(self, compiled_fn, eager):
+        self.fn, self.eager = compiled_fn, eager
+
+    def __call__(self, *args):
+        try:
+            return self.fn(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as err:
+            warnings.warn(f"torch.compile's backend failed ({err}); running this step eagerly",
+                          RuntimeWarning, stacklevel=2)
+            self.fn = self.eager
+            return self.fn(*args)

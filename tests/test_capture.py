@@ -1,0 +1,132 @@
+"""Compiled steps (``stree.capture``): the verify step and the draft levels of a tiny hybrid (and
+of a mamba_ssm model) compile with ``torch.compile(fullgraph=True)`` (a graph break or a host
+sync would raise), give the eager logits and states within fp32 tolerance, and
+``stree.generate(compile=True)`` emits the eager greedy tokens. The verify step runs through the
+default backend (inductor); the other tests use ``aot_eager`` (the same capture, no C++ build)."""
+import pytest
+import torch
+
+import stree
+from stree import capture
+from stree.draft.base import commit_draft, forward_level
+from stree.patch import level_step, tree_step
+from stree.tree import TokenTree
+from tests.test_model_hybrid import VOCAB, make_hybrid
+
+pytestmark = pytest.mark.skipif(capture.unavailable() is not None,
+                                reason=f"torch.compile unavailable: {capture.unavailable()}")
+
+PARENTS = [-1, 0, 0, 1, 2]
+
+
+def _model():
+    return stree.patch(make_hybrid((1,), seed=7))  # Mamba2, attention, Mamba2 layers
+
+
+def _prefilled(model):
+    cache = model.allocate_tree_cache(2, 32)
+    model.prefill([torch.tensor([3, 9, 4]), torch.tensor([1, 2, 5, 8, 6])], cache)  # ragged rows
+    return cache
+
+
+def test_compiled_verify_step_matches_eager():
+    """The default backend (inductor: generated C++ on the CPU), one graph: the verify step."""
+    torch.manual_seed(0)
+    model = _model()
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
+    eager = model.tree_forward(tree, _prefilled(model))
+    cache = _prefilled(model)
+    steps = capture.compiled_steps(model)
+    with capture.compiled(model):
+        assert model._stree_steps is steps and steps.static
+        compiled = model.tree_forward(tree, cache)
+    assert getattr(model, "_stree_steps", None) is None  # eager again after the block
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    # fullgraph=True raises on a graph break, so this was one graph; and it really ran compiled
+    # (not eagerly after a backend failure)
+    assert steps.tree.fn is not tree_step
+
+
+def test_compiled_draft_levels_match_eager(monkeypatch):
+    """Every level of a draft and the commit's level through the same fullgraph capture (a
+    backend with no C++ compilation keeps it fast), then the committed states."""
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model = _model()
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
+    path, counts = torch.tensor([[0, 2, 4], [0, 1, 3]]), [3, 3]
+
+    def draft_and_commit(cache):
+        logits = [forward_level(model, cache, TokenTree(tree.tokens[:, :e], PARENTS[:e]), s, e, 5)
+                  for s, e in [(0, 1), (1, 3)]]
+        assert commit_draft(model, cache, tree, path, counts, depth=2)  # runs nodes 3 and 4
+        return logits, [t.clone() for c in cache.layers.values() for t in vars(c).values()]
+
+    eager, eager_state = draft_and_commit(_prefilled(model))
+    with capture.compiled(model):
+        compiled, compiled_state = draft_and_commit(_prefilled(model))
+    assert capture.compiled_steps(model).level.fn is not level_step
+    for c, e in zip(compiled + compiled_state, eager + eager_state):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_compiled_greedy_tokens_equal_eager(monkeypatch):
+    # the same fullgraph capture; a backend with no C++ compilation keeps the test fast
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    torch.manual_seed(1)
+    target = _model()
+    draft = stree.patch(make_hybrid((), seed=11))
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    kw = dict(max_new_tokens=12, drafter="static:2,2")
+    eager = stree.generate(target, draft, prompt, **kw)
+    compiled = stree.generate(target, draft, prompt, compile=True, **kw)
+    assert compiled.sequences.tolist() == eager.sequences.tolist()
+    assert compiled.stats.target_calls == eager.stats.target_calls
+
+
+def test_compile_refuses_dynamic_drafters():
+    with pytest.raises(ValueError, match="compile=True needs a fixed tree template"):
+        stree.generate(_model(), _model(), torch.tensor([[1, 2]]), 4, drafter="dyspec:8",
+                       compile=True)
+    with pytest.raises(ValueError, match="compile=True needs a fixed tree template"):
+        stree.generate(_model(), None, torch.tensor([[1, 2]]), 4, method="ar", compile=True)
+
+
+def test_mamba_ssm_steps_compile_without_graph_break(monkeypatch):
+    """mamba_ssm's MambaLMHeadModel (Mamba2 + MHA) through the same fullgraph capture."""
+    from tests.test_model_mamba2 import make_model
+
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")  # the capture is what is tested here
+    model = stree.patch(make_model(attn_layer_idx=(1,), n_layer=3))
+    cache = model.allocate_tree_cache(1, 32)
+    model.prefill(torch.tensor([[3, 9, 4]]), cache)
+    tree = TokenTree(torch.tensor([[5, 6, 7, 8, 9]]), PARENTS)
+    level = TokenTree(tree.tokens[:, :3], PARENTS[:3])
+    eager, eager_level = model.tree_forward(tree, cache), forward_level(model, cache, level, 0, 1, 5)
+    with capture.compiled(model):
+        compiled = model.tree_forward(tree, cache)
+        compiled_level = forward_level(model, cache, level, 0, 1, 5)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled_level, eager_level, rtol=1e-4, atol=1e-4)
+
+
+def test_backend_failure_and_missing_compile_fall_back_to_eager(monkeypatch):
+    torch.manual_seed(2)
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
+    model = _model()
+    eager = model.tree_forward(tree, _prefilled(model))
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(capture, "BACKEND", broken)
+    with capture.compiled(model), pytest.warns(RuntimeWarning, match="running this step eagerly"):
+        fallback = model.tree_forward(tree, _prefilled(model))
+    torch.testing.assert_close(fallback, eager, rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(capture, "unavailable", lambda: "no torch.compile in this build")
+    other, prompt = _model(), torch.tensor([[1, 2, 3]])
+    with pytest.warns(RuntimeWarning, match="no torch.compile in this build; running eagerly"):
+        out = stree.generate(other, None, prompt, 5, method="ar-tree", compile=True)
+    assert getattr(other, "_stree_compiled", None) is None  # nothing was compiled
+    assert out.sequences.tolist() == stree.generate(other, None, prompt, 5, method="ar-tree").sequences.tolist()
