@@ -4,8 +4,8 @@ Generates from a real prompt (a HumanEval problem) with STree, prints the text, 
 same prompt with the target's own autoregressive decoding (its own prefill and ``step``, see
 ``stree.native``: the baseline), vanilla chain speculative decoding (4 drafted tokens) and STree
 at temperature 0, prints tau, tokens/s and the speed-up over the model's own decoding side by
-side, and checks that the three texts are identical (exactness: all three must equal the target's
-greedy output).
+side, and checks that every run's text is identical (exactness: all must equal the target's greedy
+output).
 
 The tree is chosen for the device, as STree's cost analysis (Eq. 7/8: time per token = t(N) / tau)
 says: on a GPU a verify pass costs about the same for 1 or 63 nodes, so the bushier Fig. 4a tree
