@@ -56,11 +56,15 @@ def test_sampled_native_ar_makes_the_same_draws_as_the_tree_path(which, hybrid, 
     assert tree_path != _tokens(model, "ar-tree", prompts, 32, seed=3, **{**SAMPLED, "top_k": 3})
 
 
-def test_mamba_mha_native_decoding_needs_flash_attn():
+def _has_flash_attn() -> bool:
+    from stree._mamba import mamba_ssm  # noqa: F401
     from mamba_ssm.modules import mha
 
-    if mha.flash_attn_with_kvcache is not None:
-        pytest.skip("flash-attn is installed: mamba_ssm's MHA decoding is usable")
+    return mha.flash_attn_with_kvcache is not None
+
+
+@pytest.mark.skipif(_has_flash_attn(), reason="flash-attn is installed: mamba_ssm's MHA decoding is usable")
+def test_mamba_mha_native_decoding_needs_flash_attn():
     model = stree.patch(make_model(seed=1, n_layer=2, attn_layer_idx=(1,)))
     with pytest.raises(ValueError, match="flash-attn"):
         generate(model, None, PROMPTS[:1], 4, method="ar")
