@@ -158,13 +158,6 @@ def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Te
     return model.tree_forward(tree, cache)[:, start:end]
 
 
-def level_logits(model, cache, tree: TokenTree, start: int, capacity: int) -> Tensor:
-    """Draft logits ``(b, n - start, v)`` of nodes ``start..n-1`` of the partial tree ``tree``
-    (``n`` nodes; nodes before ``start`` were forwarded by earlier calls): how dynamic drafters
-    run the draft model, once per round, through :func:`forward_level`."""
-    return forward_level(model, cache, tree, start, tree.num_nodes, capacity)
-
-
 def commit_draft(model, cache, tree, path: Tensor, counts: list[int], depth: int,
                  layered: bool = True) -> bool:
     """Advance the draft cache along the target's accepted ``path (b, k)`` of ``counts[r]`` nodes

@@ -12,8 +12,9 @@ node carries ``a_u``, the product of draft probabilities along its path (root 1)
 DynaTree's path probability. ``d_u`` is the draft distribution the values are read from: ``q_u``
 for sampled children, the draft's softmax at the drafter's ``value_temperature`` for ranked ones.
 
-Round. (1) One draft ``tree_forward`` over the tree so far (:func:`level_logits`; only the nodes of
-the previous round are new) gives the candidates of those nodes. (2) The rule marks the slots to
+Round. (1) One draft call over the nodes the previous round added
+(:func:`~stree.draft.base.forward_level`: each runs once, from its parent's stored state) gives the
+candidates of those nodes. (2) The rule marks the slots to
 take and orders them. (3) The taken slots become nodes, appended in that order. A rule may stop
 taking slots as soon as it would need candidates of nodes not run yet: the next round runs them.
 So the draft runs once per round, and a tree of depth D needs at least D rounds; ``max_depth``
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from stree.draft.base import Drafter, level_logits, pick_children
+from stree.draft.base import Drafter, forward_level, pick_children
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
@@ -192,7 +193,9 @@ class DynamicTreeDrafter(Drafter):
             if rounds and not self.wants_round(tree.a[:, :tree.size], tree.depth[:, :tree.size],
                                                fresh):
                 break
-            logits = level_logits(model, cache, tree.partial(), tree.forwarded, self.num_nodes)
+            partial = tree.partial()
+            logits = forward_level(model, cache, partial, tree.forwarded, partial.num_nodes,
+                                   self.num_nodes)
             rounds += 1
             tree.add_candidates(logits, min(self.candidates, logits.shape[-1]), mode, sampling,
                                 generator, self.value_temperature)
