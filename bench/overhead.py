@@ -67,7 +67,7 @@ def _scoped(fn, name_of):
 
 @contextmanager
 def layer_scopes():
-    """Wrap stree's per-layer entry points (tree forward and commit of each mixer type) in
+    """Wrap stree's per-layer entry points (tree forward, draft node step and commit of each mixer type) in
     ``record_function`` scopes named after the layer type; undone on exit."""
     from stree import cache as cache_mod
     from stree.layers import attention, mamba2
@@ -79,6 +79,8 @@ def layer_scopes():
         setattr(owner, attr, new)
 
     swap(mamba2, "tree_forward", _scoped(mamba2.tree_forward, lambda m, *a, **k: type(m).__name__))
+    # a draft level runs its Mamba2 layers by the recurrence, one node per row
+    swap(mamba2, "node_step", _scoped(mamba2.node_step, lambda m, *a, **k: type(m).__name__ + ".node_step"))
     swap(attention, "tree_forward", _scoped(
         attention.tree_forward, lambda a, *r, **k: type(getattr(a, "m", a)).__name__))
     for cls in _activation_classes(cache_mod):
@@ -91,7 +93,7 @@ def layer_scopes():
 
 
 def _activation_classes(cache_mod):
-    return [getattr(cache_mod, n) for n in ("MambaActivations", "AttentionActivations")
+    return [getattr(cache_mod, n) for n in ("MambaActivations", "AttentionActivations", "NodeStates")
             if hasattr(getattr(cache_mod, n, None), "commit")]
 
 

@@ -118,25 +118,29 @@ class PendingTree:
 class NodeStates:
     """Materialised state of every forwarded node of one Mamba2 layer (level-by-level drafting).
 
-    conv, ssm: ``(b, capacity + 1, ...)`` conv / SSM state after each node; slot 0 holds the
-    committed state (the root's parent), node i sits in slot i + 1.
+    conv, ssm: ``(b * slots, ...)`` conv / SSM state after each node, row-major: row r's slot 0
+    (flat index ``r * slots``) holds its committed state (the root's parent), node i sits in slot
+    i + 1. Flat, so that a level reads and writes its nodes with one ``index_select`` /
+    ``index_copy_`` per tensor.
     """
     conv: torch.Tensor
     ssm: torch.Tensor
+    slots: int
 
     def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
         # the committed state becomes the state after the path's last node (slot 0: empty path)
-        rows, last = shared["rows"], shared["last_slot"]
-        layer.conv_state.copy_(self.conv[rows, last[:, None]][:, 0])
-        layer.ssm_state.copy_(self.ssm[rows, last[:, None]][:, 0])
+        last = shared["last_slot"] + shared["rows"][:, 0] * self.slots
+        layer.conv_state.copy_(self.conv.index_select(0, last))
+        layer.ssm_state.copy_(self.ssm.index_select(0, last))
 
 
 @dataclass
 class LevelPending(PendingTree):
     """Pending state of a tree forwarded level by level (``level_forward``): per Mamba2 layer the
-    :class:`NodeStates` of every forwarded node, per attention layer the K/V scratch as usual.
-    ``forwarded_depth``: depth of the deepest forwarded node (host-side)."""
+    :class:`NodeStates` of every forwarded node (``slots`` per row), per attention layer the K/V
+    scratch as usual. ``forwarded_depth``: depth of the deepest forwarded node (host-side)."""
+    slots: int = 0
     forwarded_depth: int = -1
 
 

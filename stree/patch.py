@@ -17,7 +17,7 @@ from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_norm_fn, RMSNorm
 
 from stree import hf
-from stree.cache import (AttentionActivations, LevelPending, MambaLayerCache, NodeStates, PendingTree,
+from stree.cache import (AttentionActivations, LevelPending, NodeStates, PendingTree,
                          TreeCache)
 from stree.layers import attention, mamba2
 from stree.tree import TokenTree
@@ -124,15 +124,18 @@ class TreeDecodingMixin:
         pending = cache.pending
         if first or not isinstance(pending, LevelPending):
             # slot 0: the committed state, then room for every node
-            pending = LevelPending(tree, _level_states(self, cache, (capacity or tree.num_nodes) + 1))
+            slots = (capacity or tree.num_nodes) + 1
+            pending = LevelPending(tree, _level_states(self, cache, slots), slots)
         cache.check_room(tree.num_nodes)
         steps = _steps(self)
         span = cache.max_seqlen if steps.static else max(cache.seqlens) + tree.num_nodes
-        tables = _tables(self, tree, _one_node_tree(b * w, nodes.device), cache.lengths, span,
-                         nodes=nodes)
-        parent_slot = tree.parents.gather(1, nodes) + 1  # root -> slot 0, the committed state
+        tables = _tables(self, tree, None, cache.lengths, span, nodes=nodes)
+        # flat NodeStates indices: each node's parent's slot (the root's: slot 0, the committed
+        # state) and its own slot (node + 1), row r's slots starting at r * slots
+        base = torch.arange(b, device=nodes.device)[:, None] * pending.slots
+        src = (tree.parents.gather(1, nodes) + 1 + base).flatten()
         logits = steps.level(self, tree.tokens.gather(1, nodes), cache.layers, pending.layers,
-                             parent_slot, nodes, tables, "auto")
+                             src, (nodes + 1 + base).flatten(), tables, "auto")
         pending.tree = tree
         pending.forwarded_depth = tree.max_depth
         cache.pending = pending
@@ -159,28 +162,21 @@ def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
     return _stree_walk(model, tokens, run), acts
 
 
-def level_step(model, tokens, layers: dict, states: dict, parent_slot, nodes, tables: dict,
-               impl: str):
-    """Logits ``(b, w, vocab)`` of the level nodes ``nodes (b, w)`` (tokens ``(b, w)``), each
-    from its parent's slot ``parent_slot (b, w)`` of the :class:`NodeStates` ``states``; writes
-    every node's state to its slot (``nodes + 1``) and attention K/V to the scratch."""
+def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict, impl: str):
+    """Logits ``(b, w, vocab)`` of ``w`` level nodes per row (tokens ``(b, w)``), each run from
+    the :class:`NodeStates` slot ``src (b * w,)`` of ``states`` (its parent's), its own state
+    written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch."""
     b, w = tokens.shape
-    rows = torch.arange(b, device=tokens.device)[:, None]
     attn = _attention_tables(model, tables)
 
     def run(idx, mixer, h):
         if idx not in tables["consts"]:
             return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
         ns = states[idx]
-        # each node is a one-node tree from its parent's state; one recurrence step from
-        # that state and the node's activations gives the node's own state
-        parent = MambaLayerCache(ns.conv[rows, parent_slot].flatten(0, 1),
-                                 ns.ssm[rows, parent_slot].flatten(0, 1))
-        out, acts = mamba2.tree_forward(mixer, h.reshape(b * w, 1, -1), parent,
-                                        tables["mamba"][idx], impl=impl, k=tables["consts"][idx])
-        conv, ssm = mamba2.node_state(parent, acts)
-        ns.conv[rows, nodes + 1] = conv.unflatten(0, (b, w))
-        ns.ssm[rows, nodes + 1] = ssm.unflatten(0, (b, w))
+        out, conv, ssm = mamba2.node_step(mixer, h.reshape(b * w, 1, -1), ns.conv.index_select(0, src),
+                                          ns.ssm.index_select(0, src), tables["consts"][idx])
+        ns.conv.index_copy_(0, dst, conv)
+        ns.ssm.index_copy_(0, dst, ssm)
         return out.view(b, w, -1)
 
     return _stree_walk(model, tokens, run)
@@ -202,15 +198,18 @@ def _steps(model) -> Steps:
     return getattr(model, "_stree_steps", None) or EAGER
 
 
-def _tables(model, tree: TokenTree, mamba_tree: TokenTree, lengths, span: int, nodes=None) -> dict:
+def _tables(model, tree: TokenTree, mamba_tree: TokenTree | None, lengths, span: int,
+            nodes=None) -> dict:
     """Everything the layers of one step read besides their state, built before they run: per
-    Mamba2 layer its constants and ``mamba_tree``'s conv/scan tables; for attention layers what
+    Mamba2 layer its constants and ``mamba_tree``'s conv/scan tables (none for a draft level,
+    whose nodes run one by one by the recurrence); for attention layers what
     :func:`_attention_tables` builds inside the step from ``tree``'s ancestor mask and depth."""
     consts, per_layer = {}, {}
     for idx, mixer in _stree_mixers(model):
         if mamba2.is_mamba2(mixer):
             consts[idx] = mamba2.constants(mixer)
-            per_layer[idx] = mamba_tree.conv_scan_tables(*mamba2.conv_shape(mixer))
+            if mamba_tree is not None:
+                per_layer[idx] = mamba_tree.conv_scan_tables(*mamba2.conv_shape(mixer))
     tree_in = dict(ancestors=tree.mask, depth=tree.depth, lengths=lengths, span=span, nodes=nodes)
     return dict(consts=consts, mamba=per_layer, tree=tree_in)
 
@@ -219,6 +218,11 @@ def _attention_tables(model, tables: dict) -> dict:
     """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)."""
     adapters = [attention.view(m) for idx, m in _stree_mixers(model) if idx not in tables["consts"]]
     return attention.tree_tables(adapters=adapters, **tables["tree"]) if adapters else {}
+
+
+def _repeat_rows(t: torch.Tensor, slots: int) -> torch.Tensor:
+    """``(b, ...)`` -> ``(b * slots, ...)``, each row repeated ``slots`` times (a new tensor)."""
+    return t[:, None].expand(t.shape[0], slots, *t.shape[1:]).contiguous().flatten(0, 1)
 
 
 def _level_states(model, cache: TreeCache, slots: int) -> dict:
@@ -230,20 +234,9 @@ def _level_states(model, cache: TreeCache, slots: int) -> dict:
             states[idx] = AttentionActivations()
             continue
         state = cache.layers[idx]
-        states[idx] = NodeStates(state.conv_state[:, None].expand(-1, slots, -1, -1).clone(),
-                                 state.ssm_state[:, None].expand(-1, slots, -1, -1, -1).clone())
+        states[idx] = NodeStates(_repeat_rows(state.conv_state, slots),
+                                 _repeat_rows(state.ssm_state, slots), slots)
     return states
-
-
-_ONE_NODE: dict = {}
-
-
-def _one_node_tree(batch: int, device) -> TokenTree:
-    """A root-only tree of ``batch`` rows (cached): a level's nodes, each from its own state."""
-    key = (batch, str(device))
-    if key not in _ONE_NODE:
-        _ONE_NODE[key] = TokenTree(torch.zeros(batch, 1, dtype=torch.long, device=device), [-1])
-    return _ONE_NODE[key]
 
 
 def patch(model):

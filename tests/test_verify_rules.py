@@ -64,6 +64,36 @@ def test_greedy_duplicate_siblings_take_first_in_draft_order():
     assert v.path.tolist() == [[0, 1]] and v.next_token.tolist() == [1]
 
 
+def _walk_greedy(tokens, parents, argmax):
+    """Plain-Python oracle: from the root, take the first child (index order) whose token is the
+    argmax after the current node; returns (path, next token)."""
+    node, path = 0, [0]
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node]
+        hit = next((i for i in kids if tokens[i] == argmax[node]), None)
+        if hit is None:
+            return path, argmax[node]
+        node = hit
+        path.append(node)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_matches_a_sequential_walk_on_random_trees(seed):
+    """Random per-row trees over a 3-token vocabulary (many duplicate siblings, deep matches)."""
+    g = torch.Generator().manual_seed(seed)
+    b, n, v = 3, 12, 3
+    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g))
+                                                for i in range(1, n)]) for _ in range(b)])
+    tokens = torch.randint(0, v, (b, n), generator=g)
+    logits = torch.randn(b, n, v, generator=g)
+    verdict = greedy(Draft(TokenTree(tokens, parents), None, "iid"), logits)
+    for r in range(b):
+        path, nxt = _walk_greedy(tokens[r].tolist(), parents[r].tolist(), logits[r].argmax(-1).tolist())
+        got = [i for i in verdict.path[r].tolist() if i >= 0]
+        assert got == path and verdict.next_token[r].item() == nxt
+        assert verdict.num_accepted[r].item() == len(path) - 1
+
+
 def test_root_only_tree_emits_one_token():
     tree = TokenTree(torch.tensor([[7], [1]]), torch.tensor([-1]))
     logits = argmax_logits([[3], [2]])

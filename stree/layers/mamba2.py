@@ -17,6 +17,7 @@ from mamba_ssm.ops.triton.layernorm_gated import RMSNorm as RMSNormGated
 
 from stree.cache import MambaActivations, MambaLayerCache
 from stree.kernels import tree_conv, tree_scan
+from stree.kernels._common import process_dt
 from stree.kernels.chunk_scan import chunk_scan
 from stree.layers.norm import gated_rms_norm
 
@@ -42,15 +43,14 @@ class _Parts:
             zxbcdt, [d_mlp, d_mlp, m.d_ssm, m.d_ssm + 2 * m.ngroups * m.d_state, m.nheads], dim=-1)
         return z, xbc, dt, ((z0, x0) if d_mlp > 0 else None)
 
-    # conv output -> x (b,l,h,p), B (b,l,g,s), C (b,l,g,s)
+    # conv output (..., c) -> x (..., h, p), B (..., g, s), C (..., g, s)
     def split_xbc(self, xbc):
         m = self.m
         if self.gqa:
             return m.split_xbc(xbc)
         x, B, C = torch.split(xbc, [m.d_ssm, m.ngroups * m.d_state, m.ngroups * m.d_state], dim=-1)
-        return (rearrange(x, "b l (h p) -> b l h p", p=m.headdim),
-                rearrange(B, "b l (g n) -> b l g n", g=m.ngroups),
-                rearrange(C, "b l (g n) -> b l g n", g=m.ngroups))
+        return (x.unflatten(-1, (-1, m.headdim)), B.unflatten(-1, (m.ngroups, -1)),
+                C.unflatten(-1, (m.ngroups, -1)))
 
     @property
     def D(self):
@@ -182,16 +182,46 @@ def prefill(m, u, state: MambaLayerCache):
     return parts.finish(y, z, mlp_in)
 
 
-def node_state(parent: MambaLayerCache, acts: MambaActivations):
-    """``(conv (B, c, w), ssm (B, h, p, s))``: the state after the single node of a one-node
-    tree forward from ``parent`` (its ``acts``): the recurrence ``h' = exp(dt A) h + dt x B^T``
-    and the conv window shifted by the node's raw input. New tensors; ``parent`` is unchanged."""
-    ssm = parent.ssm_state
-    Bn, h, p, s = ssm.shape
-    g = acts.B.shape[2]
-    dt = acts.dt[:, 0]  # (B, h) processed, fp32
-    dtx = (dt[..., None] * acts.x[:, 0]).view(Bn, g, h // g, p, 1)
-    upd = (dtx * acts.B[:, 0, :, None, None, :]).view(Bn, h, p, s)
-    new_ssm = torch.addcmul(upd, ssm, torch.exp(dt * acts.A)[..., None, None])
-    conv = torch.cat([parent.conv_state[:, :, 1:], acts.xbc[:, 0, :, None]], dim=2)
-    return conv, (new_ssm if new_ssm.dtype == ssm.dtype else new_ssm.to(ssm.dtype))
+def node_step(m, u, conv, ssm, k: dict | None = None):
+    """One token per row from a given state, the state not written: how a drafter runs each new
+    node of a level from its parent's materialised state (the recurrence, no tree tables).
+
+    Args:
+        m: the Mamba2 module; u: ``(N, 1, d_model)`` normalised hidden states, one node per row.
+        conv: ``(N, c, w)`` raw conv inputs before the node; ssm: ``(N, h, p, s)`` state before it.
+        k: :func:`constants` of ``m`` (looked up when None).
+    Returns:
+        ``(out (N, 1, d_model), conv (N, c, w), ssm (N, h, p, s))``: the node's mixer output and
+        the new conv window and SSM state after it (new tensors, in the inputs' dtypes).
+    """
+    k = constants(m) if k is None else k
+    parts = k["parts"]
+    fold = k["in_bias"] is not None  # dt_bias added by the projection
+    proj = F.linear(u, m.in_proj.weight, k["in_bias"]) if fold else m.in_proj(u)
+    z, xbc, dt, mlp_in = parts.split(proj)
+    new_conv = torch.cat([conv[:, :, 1:], _to(xbc.transpose(1, 2), conv.dtype)], dim=2)
+    conv_out = (_to(new_conv, F32) * _to(k["conv_weight"], F32)).sum(-1)  # (N, c)
+    if k["conv_bias"] is not None:
+        conv_out += _to(k["conv_bias"], F32)
+    x, B, C = (_to(t, F32) for t in parts.split_xbc(_to(F.silu(conv_out), xbc.dtype)))
+    n, h, p = x.shape  # x (N, h, p), B and C (N, g, s)
+    g = B.shape[1]
+    dt = process_dt(dt.view(n, h), None if fold else m.dt_bias, True, k["dt_limit"])  # (N, h) fp32
+    # h' = exp(dt A) h + (dt x) B^T, heads grouped (g, h / g) so B and C broadcast over a group
+    dtx = (dt[..., None] * x).view(n, g, h // g, p, 1)
+    new_ssm = torch.addcmul((dtx * B[:, :, None, None, :]).view(n, h, p, -1), _to(ssm, F32),
+                            torch.exp(dt * k["A"])[..., None, None])
+    y = torch.matmul(new_ssm.view(n, g, h // g * p, -1), C[..., None]).view(n, h, p)
+    y = torch.addcmul(y, x, _to(k["D"], F32).view(h, -1))
+    if parts.z_in_scan:
+        y = y * F.silu(_to(z.view(n, h, p), F32))
+    out = parts.finish(_to(y, u.dtype)[:, None], z, mlp_in)
+    return out, new_conv, _to(new_ssm, ssm.dtype)
+
+
+F32 = torch.float32
+
+
+def _to(t, dtype):
+    """``t`` in ``dtype``, without dispatching a cast when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -36,8 +36,8 @@ from torch import Tensor
 
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
-from stree.verify.base import Verdict, validate, walk
-from stree.verify.greedy import greedy_rule
+from stree.verify.base import Verdict, validate
+from stree.verify.greedy import greedy_verdict
 from stree.verify.sps import SpSVerifier, _is_chain
 
 
@@ -101,7 +101,7 @@ class ASpSVerifier(SpSVerifier):
             raise ValueError("the 'asps' verifier needs a chain (every node at most one child); "
                              "use 'mss' or 'naive' for trees")
         if sampling.is_greedy:  # p is one-hot: every coupling reduces to greedy matching
-            return walk(draft, target_logits, greedy_rule)
+            return greedy_verdict(draft, target_logits)
         b, n, v = target_logits.shape
         tokens = draft.tree.tokens.to(target_logits.device)
         q = draft.q.to(target_logits.device).float()

@@ -10,13 +10,33 @@ from torch import Tensor
 
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
-from stree.verify.base import NodeStep, Verdict, first_match, validate, walk
+from stree.verify.base import Verdict, validate
 
 
-def greedy_rule(step: NodeStep) -> tuple[Tensor, Tensor]:
-    """Accept the first child whose token is the target argmax; else emit the argmax."""
-    y = step.logits.argmax(-1)
-    return first_match(step, y), y
+def greedy_verdict(draft: Draft, target_logits: Tensor) -> Verdict:
+    """Follow the target's argmax down the tree, taking the first matching child at every node
+    (the longest match, plus the argmax after it): what a root-to-leaf walk with a first-match
+    rule gives, computed for all nodes at once (a fixed handful of ops, no per-depth loop).
+
+    ``target_logits``: ``(b, n, v)``. Shapes as in :class:`Verdict`.
+    """
+    tree = draft.tree
+    b, n, _ = target_logits.shape
+    best = target_logits.argmax(-1)                                        # (b, n)
+    parents = tree.parents
+    # node i > 0 follows the argmax after its parent
+    match = tree.tokens == best.gather(1, parents.clamp_min(0))
+    # ... and is taken only if no earlier sibling matched too (first match in draft order)
+    earlier = torch.ones(n, n, dtype=torch.bool, device=best.device).tril(-1)
+    same_parent = (parents[:, :, None] == parents[:, None, :]) & earlier
+    first = match & ~(same_parent & match[:, None, :]).any(-1)
+    first[:, 0] = True  # the root
+    # accepted nodes: every ancestor-or-self is a first match; they form one root path
+    on_path = ~(tree.mask & ~first[:, None, :]).any(-1)                     # (b, n)
+    end = (on_path * (tree.depth + 1)).argmax(1, keepdim=True)             # deepest accepted node
+    path = tree.paths.gather(1, end[:, :, None].expand(b, 1, tree.paths.shape[-1]))[:, 0]
+    return Verdict(path=path, num_accepted=tree.depth.gather(1, end)[:, 0],
+                   next_token=best.gather(1, end)[:, 0])
 
 
 class GreedyVerifier:
@@ -33,4 +53,4 @@ class GreedyVerifier:
         """target_logits: (b, n, v). Consumes no randomness."""
         self.check(draft.mode, sampling)
         validate(draft, target_logits, need_q=False)
-        return walk(draft, target_logits, greedy_rule)
+        return greedy_verdict(draft, target_logits)

@@ -22,7 +22,7 @@ from torch import Tensor
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.verify.base import NodeStep, Verdict, validate, walk
-from stree.verify.greedy import greedy_rule
+from stree.verify.greedy import greedy_verdict
 
 # Below this total variation (R - q)+ is treated as empty. A rejection there has probability
 # <= _RESIDUAL_EPS, so keeping R instead costs at most that much in distribution.
@@ -82,7 +82,7 @@ class MSSVerifier:
         self.check(draft.mode, sampling)
         validate(draft, target_logits, need_q=not sampling.is_greedy)
         if sampling.is_greedy:  # p is one-hot: MSS reduces to greedy exactly
-            return walk(draft, target_logits, greedy_rule)
+            return greedy_verdict(draft, target_logits)
         without = draft.mode == "without_replacement"
         return walk(draft, target_logits,
                     lambda step: mss_rule(step, sampling, without, generator))

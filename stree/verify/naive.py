@@ -12,7 +12,7 @@ from torch import Tensor
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.verify.base import NodeStep, Verdict, first_match, validate, walk
-from stree.verify.greedy import greedy_rule
+from stree.verify.greedy import greedy_verdict
 
 
 class NaiveVerifier:
@@ -27,7 +27,7 @@ class NaiveVerifier:
         self.check(draft.mode, sampling)
         validate(draft, target_logits, need_q=False)
         if sampling.is_greedy:
-            return walk(draft, target_logits, greedy_rule)
+            return greedy_verdict(draft, target_logits)
 
         def rule(step: NodeStep) -> tuple[Tensor, Tensor]:
             y = sample_from(target_probs(step.logits, sampling), generator)

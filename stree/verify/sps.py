@@ -12,7 +12,7 @@ from torch import Tensor
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
 from stree.verify.base import Verdict, validate, walk
-from stree.verify.greedy import greedy_rule
+from stree.verify.greedy import greedy_verdict
 from stree.verify.mss import mss_rule
 
 
@@ -41,5 +41,5 @@ class SpSVerifier:
             raise ValueError("the 'sps' verifier needs a chain (every node at most one child); "
                              "use 'mss' or 'naive' for trees")
         if sampling.is_greedy:
-            return walk(draft, target_logits, greedy_rule)
+            return greedy_verdict(draft, target_logits)
         return walk(draft, target_logits, lambda step: mss_rule(step, sampling, False, generator))
