@@ -1,13 +1,16 @@
 """The row-indexed state pool (``model.allocate_state_pool`` / ``StatePool.cache(slots)``): batch
 rows mapped to arbitrary pool slots give the logits and committed states of an ordinary cache
 (itself checked against each model's own step decoding elsewhere) through prefill, tree_forward,
-commit and level-by-level drafting, and every other slot of the pool stays bit-identical."""
+commit and level-by-level drafting, bit for bit, and every other slot of the pool (filled with
+random sentinels) stays bit-identical. Models: the stree hybrid, mamba_ssm Mamba2 + MHA, and
+transformers' Zamba2 (shared attention blocks keyed as second mixers)."""
 import pytest
 import torch
 
 import stree
 from stree.draft.base import commit_draft, forward_level
 from stree.tree import TokenTree
+from tests import hf_models
 from tests.test_model_hybrid import VOCAB, make_hybrid
 from tests.test_model_mamba2 import make_model
 
@@ -16,12 +19,17 @@ LEVELS = [(0, 1), (1, 3), (3, 5)]  # nodes 5, 6 (depth 3) are never forwarded
 MAX_SEQLEN = 48
 
 
-def _hybrid():
+def _hybrid(tmp_path=None):
     return stree.patch(make_hybrid((1, 3), seed=7))  # Mamba2, attention, Mamba2, attention
 
 
-def _mamba_ssm():
+def _mamba_ssm(tmp_path=None):
     return stree.patch(make_model(seed=2, n_layer=3, attn_layer_idx=(1,)))  # Mamba2, MHA, Mamba2
+
+
+def _zamba2(tmp_path):
+    # transformers' Zamba2: Mamba2 backbone + shared attention blocks (second mixers of a layer)
+    return stree.patch(hf_models.build("zamba2", tmp_path)[0])
 
 
 def _vocab(model):
@@ -60,11 +68,12 @@ def _same(a, b, when):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=when)
 
 
-@pytest.mark.parametrize("make", [_hybrid, _mamba_ssm], ids=["hybrid", "mamba_ssm"])
+@pytest.mark.parametrize("make", [_hybrid, _mamba_ssm, _zamba2],
+                         ids=["hybrid", "mamba_ssm", "zamba2"])
 @pytest.mark.parametrize("slots", [[5, 2], [3, 4]], ids=["scattered", "contiguous"])
-def test_rows_in_arbitrary_slots_match_an_ordinary_cache_and_touch_nothing_else(make, slots):
+def test_rows_in_arbitrary_slots_match_an_ordinary_cache_and_touch_nothing_else(make, slots, tmp_path):
+    model = make(tmp_path)
     torch.manual_seed(0)
-    model = make()
     vocab = _vocab(model)
     pool = _sentinel_pool(model, 7)
     before = {k: t.clone() for k, t in _tensors(pool.layers).items()}
