@@ -141,8 +141,8 @@ class TreeDecodingMixin:
         tables = _tables(self, tree, _one_node_tree(b * w, nodes.device), cache.lengths, span,
                          nodes=nodes)
         parent_slot = tree.parents.gather(1, nodes) + 1  # root -> slot 0, the committed state
-        logits = steps.level(self, tree.tokens.gather(1, nodes), cache.states(mamba=False), pending.layers,
-                             parent_slot, nodes, tables, "auto")
+        logits = steps.level(self, tree.tokens.gather(1, nodes), cache.states(mamba=False),
+                             pending.layers, parent_slot, nodes, tables, "auto")
         pending.tree = tree
         pending.forwarded_depth = tree.max_depth
         cache.pending = pending
