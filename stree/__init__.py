@@ -5,9 +5,11 @@
     logits = model.prefill(input_ids, cache)         # (b, l, v); commits the prompt
     logits = model.tree_forward(tree, cache)         # (b, n, v); committed state unchanged
     cache.commit(path)                               # (b, k) accepted node indices from the root
+    pool = model.allocate_state_pool(num_slots, max_seqlen)   # serving engines: rows in pool slots
+    cache = pool.cache(slots)                        # (b,) slots; row r's state is slot slots[r]
     out = stree.generate(target, draft, input_ids, max_new_tokens=128, temperature=0.0)
 """
-from stree.cache import TreeCache
+from stree.cache import StatePool, TreeCache
 from stree.generate import GenerationOutput, generate
 from stree.patch import patch
 from stree.sampling import SamplingConfig
@@ -15,5 +17,5 @@ from stree.stats import GenerationStats
 from stree.tree import TokenTree, parents_from_widths
 
 __all__ = ["patch", "generate", "GenerationOutput", "GenerationStats", "TokenTree", "TreeCache",
-           "SamplingConfig", "parents_from_widths"]
+           "StatePool", "SamplingConfig", "parents_from_widths"]
 __version__ = "0.1.0"

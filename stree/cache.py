@@ -5,6 +5,11 @@ to advance along any root-to-node path of its tree (``pending``); ``commit(path)
 every layer along the accepted path: SSM layers by activation replay, conv states by a gather of
 the cached pre-conv inputs, attention layers by compacting the accepted nodes' K/V (which the tree
 forward wrote as scratch after each row's committed prefix).
+
+Each batch row reaches its committed state through a row index into a preallocated pool
+(:class:`StatePool`, the way serving engines keep SSM state): ``TreeCache.slots (b,)`` maps row r
+to its pool slot, or is None where row r is simply row r of the layer tensors (the default cache,
+and a cache over a contiguous run of slots, which are views).
 """
 from __future__ import annotations
 
@@ -35,12 +40,29 @@ class MambaLayerCache:
         ssm = torch.zeros(batch_size, nheads, headdim, d_state, dtype=state_dtype or dtype, device=device)
         return cls(conv, ssm)
 
-    def row(self, b: int) -> "MambaLayerCache":
-        return MambaLayerCache(self.conv_state[b:b + 1], self.ssm_state[b:b + 1])
+    def rows(self, start: int, stop: int) -> "MambaLayerCache":
+        """Rows ``[start, stop)`` as views (sharing storage)."""
+        return MambaLayerCache(self.conv_state[start:stop], self.ssm_state[start:stop])
 
-    def reset(self) -> None:
-        self.conv_state.zero_()
-        self.ssm_state.zero_()
+    def gather(self, slots: torch.Tensor) -> "MambaLayerCache":
+        """The states of pool slots ``slots (b,)`` as a new ``(b, ...)`` state: a copy (a Mamba
+        state is small), conv state in the pool's channels-last layout."""
+        return MambaLayerCache(self.conv_state.transpose(1, 2)[slots].transpose(1, 2),
+                               self.ssm_state[slots])
+
+    def scatter(self, slots: torch.Tensor, rows: "MambaLayerCache") -> None:
+        """Write the ``(b, ...)`` states ``rows`` back into pool slots ``slots (b,)``."""
+        self.conv_state.index_copy_(0, slots, rows.conv_state)
+        self.ssm_state.index_copy_(0, slots, rows.ssm_state)
+
+    def reset(self, slots: torch.Tensor | None = None) -> None:
+        """Zero every row, or only the pool slots ``slots (b,)``."""
+        if slots is None:
+            self.conv_state.zero_()
+            self.ssm_state.zero_()
+        else:
+            self.conv_state.index_fill_(0, slots, 0)
+            self.ssm_state.index_fill_(0, slots, 0)
 
 
 @dataclass
@@ -59,11 +81,44 @@ class AttentionLayerCache:
         return cls(torch.zeros(shape, dtype=dtype, device=device),
                    torch.zeros(shape, dtype=dtype, device=device))
 
-    def row(self, b: int) -> "AttentionLayerCache":
-        return AttentionLayerCache(self.k[b:b + 1], self.v[b:b + 1])
+    def rows(self, start: int, stop: int) -> "AttentionLayerCache":
+        """Rows ``[start, stop)`` as views (sharing storage)."""
+        return AttentionLayerCache(self.k[start:stop], self.v[start:stop])
 
-    def reset(self) -> None:
+    def gather(self, slots: torch.Tensor) -> "PooledAttentionCache":
+        """The K/V of pool slots ``slots (b,)``, read and written in place (no copy)."""
+        return PooledAttentionCache(self.k, self.v, slots)
+
+    def scatter(self, slots: torch.Tensor, rows) -> None:
+        pass  # written in place through the slot index
+
+    def index(self, rows: torch.Tensor) -> torch.Tensor:
+        """The index into the first axis of ``k, v`` that reaches the batch rows ``rows (b, 1)``
+        (``arange(b)[:, None]``): the rows themselves here, their slots in a pooled cache."""
+        return rows
+
+    def keys(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v (b, n_kv_heads, span, head_dim)`` of the rows: views of positions ``[0, span)``."""
+        return self.k[:, :, :span], self.v[:, :, :span]
+
+    def reset(self, slots: torch.Tensor | None = None) -> None:
         pass  # lengths define what is valid; stale K/V past them is never read
+
+
+@dataclass
+class PooledAttentionCache(AttentionLayerCache):
+    """The K/V of ``b`` rows kept in the slots ``slots (b,)`` int64 of a pool's
+    ``k, v (num_slots, n_kv_heads, max_seqlen, head_dim)``: writes go to ``k[slots[r], :, pos]``
+    in place; reads gather the rows' ``[0, span)`` positions for attention (one copy of the
+    span per layer and step, the size of what attention reads anyway; an engine's paged
+    attention kernel would read the pool by the same index instead)."""
+    slots: torch.Tensor
+
+    def index(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.slots[:, None]
+
+    def keys(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[self.slots, :, :span], self.v[self.slots, :, :span]
 
 
 @dataclass
@@ -103,9 +158,10 @@ class AttentionActivations:
             src = torch.where(path >= 0, lengths[:, None] + path, dst)  # accepted nodes' scratch
             shared["kv"] = (src, dst)
         src, dst = shared["kv"]
+        rows = layer.index(shared["rows"])  # the rows' pool slots
         for t in (layer.k, layer.v):
             # gather first: sources and destinations overlap
-            t[shared["rows"], :, dst] = t[shared["rows"], :, src]
+            t[rows, :, dst] = t[rows, :, src]
 
 
 @dataclass
@@ -148,14 +204,20 @@ class TreeCache:
     """All inference state of one patched model for a batch of ``b`` sequences.
 
     Attributes:
-        layers: ``{layer_idx: MambaLayerCache | AttentionLayerCache}``.
+        layers: ``{layer_idx: MambaLayerCache | AttentionLayerCache}``: the rows' states, or with
+            ``slots`` the pool's (``num_slots`` rows).
+        slots: ``(b,)`` int64 (device): row r's state is row ``slots[r]`` of every layer's tensors
+            (a :class:`StatePool`'s); None: row r is row r (the default, and a cache over a
+            contiguous run of slots, whose layers are views of the pool).
         lengths: ``(b,)`` int64 committed tokens per row (device); ``seqlens`` is its host mirror.
         max_seqlen: capacity of the attention caches (committed tokens + one tree of scratch).
         pending: activations of the last ``tree_forward``, consumed by :meth:`commit`.
     """
 
-    def __init__(self, layers: dict, batch_size: int, max_seqlen: int, device):
+    def __init__(self, layers: dict, batch_size: int, max_seqlen: int, device,
+                 slots: torch.Tensor | None = None):
         self.layers = layers
+        self.slots = slots
         self.batch_size = batch_size
         self.max_seqlen = max_seqlen
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -164,15 +226,36 @@ class TreeCache:
 
     def row(self, b: int) -> "TreeCache":
         """A view of row ``b`` sharing storage (used for ragged prefill)."""
-        view = TreeCache({i: c.row(b) for i, c in self.layers.items()}, 1, self.max_seqlen,
-                         self.lengths.device)
+        if self.slots is None:
+            view = TreeCache({i: c.rows(b, b + 1) for i, c in self.layers.items()}, 1,
+                             self.max_seqlen, self.lengths.device)
+        else:
+            view = TreeCache(self.layers, 1, self.max_seqlen, self.lengths.device,
+                             slots=self.slots[b:b + 1])
         view.lengths = self.lengths[b:b + 1]
         view.seqlens = [self.seqlens[b]]
         return view
 
+    def states(self, mamba: bool = True) -> dict:
+        """``{layer_idx: state of the b rows}`` that the layer functions run on: ``layers``
+        itself without ``slots`` (no op); with them each Mamba2 layer's rows gathered from the
+        pool (a copy, written back by :meth:`store`; left out with ``mamba=False``) and each
+        attention layer's :class:`PooledAttentionCache` (in place)."""
+        if self.slots is None:
+            return self.layers
+        return {i: c.gather(self.slots) for i, c in self.layers.items()
+                if mamba or not isinstance(c, MambaLayerCache)}
+
+    def store(self, states: dict) -> None:
+        """Write states from :meth:`states` that a step advanced back into the pool slots."""
+        if self.slots is not None:
+            for i, c in self.layers.items():
+                c.scatter(self.slots, states[i])
+
     def reset(self) -> None:
+        """Empty every row (with ``slots``: only the rows' pool slots are zeroed)."""
         for c in self.layers.values():
-            c.reset()
+            c.reset(self.slots)
         self.lengths.zero_()
         self.seqlens = [0] * self.batch_size
         self.pending = None
@@ -219,10 +302,86 @@ class TreeCache:
         if isinstance(self.pending, LevelPending):
             last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
             shared["last_slot"] = path.gather(1, last[:, None])[:, 0] + 1  # -1 (empty) -> slot 0
+        states = self.states()
         for idx, acts in self.pending.layers.items():
-            acts.commit(self.layers[idx], path, self.lengths, shared)
+            acts.commit(states[idx], path, self.lengths, shared)
+        self.store(states)
         self.advance(counts)
         self.pending = None
+
+
+@dataclass
+class StatePool:
+    """Preallocated committed state of ``num_slots`` sequences, per layer, that caches index by
+    slot (the way serving engines keep SSM state: vLLM's per-request state indices, SGLang's
+    Mamba state pool). Built by ``model.allocate_state_pool(num_slots, max_seqlen)``.
+
+    Attributes:
+        layers: ``{layer_idx: MambaLayerCache | AttentionLayerCache}`` with ``num_slots`` on the
+            batch axis: ``conv_state (P, c, w)``, ``ssm_state (P, h, p, s)``,
+            ``k, v (P, hkv, max_seqlen, d)``.
+        max_seqlen: tokens per slot (attention K/V capacity).
+    """
+    layers: dict
+    max_seqlen: int
+
+    @property
+    def num_slots(self) -> int:
+        first = next(iter(self.layers.values()))
+        return (first.conv_state if isinstance(first, MambaLayerCache) else first.k).shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        first = next(iter(self.layers.values()))
+        return (first.conv_state if isinstance(first, MambaLayerCache) else first.k).device
+
+    def cache(self, slots) -> TreeCache:
+        """A :class:`TreeCache` whose batch row r lives in pool slot ``slots[r]``.
+
+        Args:
+            slots: ``(b,)`` integer tensor (or list) of distinct slots in ``[0, num_slots)``; read
+                on the host once, here. The rows start empty: their slots' Mamba states are
+                zeroed; every other slot is untouched, and stays so through every step of the
+                cache (prefill, tree_forward, level_forward, commit, reset).
+        Raises:
+            ValueError: ``slots`` not a 1-D integer sequence, out of range, or repeated.
+        """
+        slots = _check_slots(slots, self.num_slots)
+        b, first = len(slots), slots[0]
+        if slots == list(range(first, first + b)):  # a contiguous run: views, no index
+            cache = TreeCache({i: c.rows(first, first + b) for i, c in self.layers.items()}, b,
+                              self.max_seqlen, self.device)
+        else:
+            cache = TreeCache(self.layers, b, self.max_seqlen, self.device,
+                              slots=torch.tensor(slots, dtype=torch.long, device=self.device))
+        cache.reset()
+        return cache
+
+
+def _check_slots(slots, num_slots: int) -> list[int]:
+    """``slots`` as host ints after checking shape, dtype, range and uniqueness."""
+    if torch.is_tensor(slots):
+        if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+            raise ValueError(f"slots must be an integer tensor, got dtype {slots.dtype}")
+        if slots.dim() != 1:
+            raise ValueError(f"slots must be 1-D (one pool slot per batch row), got shape "
+                             f"{tuple(slots.shape)}")
+        slots = slots.tolist()
+    else:
+        try:
+            slots = list(slots)
+        except TypeError:
+            raise ValueError(f"slots must be a 1-D sequence of ints, got {type(slots).__name__}") from None
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in slots):
+            raise ValueError(f"slots must be a 1-D sequence of ints, got {slots}")
+    if not slots:
+        raise ValueError("slots must name at least one pool slot")
+    bad = [s for s in slots if not 0 <= s < num_slots]
+    if bad:
+        raise ValueError(f"slots {bad} out of range for a pool of {num_slots} slots")
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"slots must be distinct (rows would share a state), got {slots}")
+    return slots
 
 
 def _validate_path(path: torch.Tensor, tree, batch_size: int) -> list[int]:

@@ -17,7 +17,7 @@ from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_norm_fn, RMSNorm
 
 from stree import hf
-from stree.cache import (AttentionActivations, LevelPending, NodeStates, PendingTree,
+from stree.cache import (AttentionActivations, LevelPending, NodeStates, PendingTree, StatePool,
                          TreeCache)
 from stree.layers import attention, mamba2
 from stree.tree import TokenTree
@@ -29,17 +29,24 @@ class TreeDecodingMixin:
     def allocate_tree_cache(self, batch_size: int, max_seqlen: int, dtype=None) -> TreeCache:
         """Zero state for ``batch_size`` sequences of up to ``max_seqlen`` tokens (prompt,
         generated tokens and one tree of scratch for attention layers)."""
-        if batch_size < 1 or max_seqlen < 1:
-            raise ValueError(f"batch_size and max_seqlen must be positive, got {batch_size}, {max_seqlen}")
+        pool = self.allocate_state_pool(batch_size, max_seqlen, dtype)
+        return TreeCache(pool.layers, batch_size, max_seqlen, pool.device)  # row r = slot r
+
+    def allocate_state_pool(self, num_slots: int, max_seqlen: int, dtype=None) -> StatePool:
+        """Zero state for ``num_slots`` sequences, per layer; ``pool.cache(slots)`` makes a
+        :class:`TreeCache` whose row r lives in slot ``slots[r]`` (see :class:`StatePool`)."""
+        if num_slots < 1 or max_seqlen < 1:
+            raise ValueError(f"the number of sequences (batch_size / num_slots) and max_seqlen must be "
+                             f"positive, got {num_slots}, {max_seqlen}")
         layers = {}
         for idx, mixer in _stree_mixers(self):
             if mamba2.is_mamba2(mixer):
-                layers[idx] = mamba2.allocate(mixer, batch_size, dtype)
+                layers[idx] = mamba2.allocate(mixer, num_slots, dtype)
             else:
                 a = attention.view(mixer)
                 w = _first_weight(mixer)
-                layers[idx] = attention.allocate(a, batch_size, max_seqlen, dtype or w.dtype, w.device)
-        return TreeCache(layers, batch_size, max_seqlen, _first_weight(self).device)
+                layers[idx] = attention.allocate(a, num_slots, max_seqlen, dtype or w.dtype, w.device)
+        return StatePool(layers, max_seqlen)
 
     @torch.inference_mode()
     def prefill(self, input_ids, cache: TreeCache) -> torch.Tensor:
@@ -70,13 +77,16 @@ class TreeDecodingMixin:
                              "pass a list of 1-D prompts to prefill rows separately")
         cache.check_room(input_ids.shape[1])
 
+        states = cache.states()
+
         def run(idx, mixer, h):
-            state = cache.layers[idx]
+            state = states[idx]
             if mamba2.is_mamba2(mixer):
                 return mamba2.prefill(mixer, h, state)
             return attention.prefill(attention.view(mixer), h, state, cache.seqlens[0])
 
         logits = _stree_walk(self, input_ids, run)
+        cache.store(states)
         cache.advance([input_ids.shape[1]] * cache.batch_size)
         return logits
 
@@ -99,7 +109,7 @@ class TreeDecodingMixin:
         steps = _steps(self)
         span = cache.max_seqlen if steps.static else max(cache.seqlens) + tree.num_nodes
         tables = _tables(self, tree, tree, cache.lengths, span)
-        logits, acts = steps.tree(self, tree.tokens, cache.layers, tables, impl)
+        logits, acts = steps.tree(self, tree.tokens, cache.states(), tables, impl)
         cache.pending = PendingTree(tree, acts)
         return logits
 
@@ -134,8 +144,8 @@ class TreeDecodingMixin:
         # state) and its own slot (node + 1), row r's slots starting at r * slots
         base = torch.arange(b, device=nodes.device)[:, None] * pending.slots
         src = (tree.parents.gather(1, nodes) + 1 + base).flatten()
-        logits = steps.level(self, tree.tokens.gather(1, nodes), cache.layers, pending.layers,
-                             src, (nodes + 1 + base).flatten(), tables, "auto")
+        logits = steps.level(self, tree.tokens.gather(1, nodes), cache.states(mamba=False),
+                             pending.layers, src, (nodes + 1 + base).flatten(), tables, "auto")
         pending.tree = tree
         pending.forwarded_depth = tree.max_depth
         cache.pending = pending
@@ -228,12 +238,12 @@ def _repeat_rows(t: torch.Tensor, slots: int) -> torch.Tensor:
 def _level_states(model, cache: TreeCache, slots: int) -> dict:
     """Pending layers of a tree drafted level by level: per Mamba2 layer :class:`NodeStates` with
     ``slots`` copies of the committed state, per attention layer its K/V scratch marker."""
-    states = {}
+    states, committed = {}, cache.states()
     for idx, mixer in _stree_mixers(model):
         if not mamba2.is_mamba2(mixer):
             states[idx] = AttentionActivations()
             continue
-        state = cache.layers[idx]
+        state = committed[idx]
         states[idx] = NodeStates(_repeat_rows(state.conv_state, slots),
                                  _repeat_rows(state.ssm_state, slots), slots)
     return states

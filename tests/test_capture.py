@@ -70,6 +70,34 @@ def test_compiled_draft_levels_match_eager(monkeypatch):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_steps_over_a_state_pool(monkeypatch):
+    """Rows in scattered slots of a state pool (Mamba2 states gathered, K/V indexed in place by
+    the slots, a device tensor) through the same fullgraph capture: the eager identity cache's
+    logits, and nothing outside the rows' slots written."""
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model = _model()
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
+
+    def verify_then_draft(cache):
+        model.prefill([torch.tensor([3, 9, 4]), torch.tensor([1, 2, 5, 8, 6])], cache)
+        logits = [model.tree_forward(tree, cache)]
+        cache.commit(torch.tensor([[0, 2, 4], [0, 1, -1]]), [3, 2])
+        return logits + [forward_level(model, cache, TokenTree(tree.tokens[:, :1], [-1]), 0, 1, 5)]
+
+    eager = verify_then_draft(model.allocate_tree_cache(2, 32))
+    pool = model.allocate_state_pool(4, 32)
+    others = [t[[0, 2]].clone() for c in pool.layers.values() for t in vars(c).values()]
+    with capture.compiled(model):
+        compiled = verify_then_draft(pool.cache([3, 1]))
+    steps = capture.compiled_steps(model)
+    assert steps.tree.fn is not tree_step and steps.level.fn is not level_step  # no eager fallback
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(t[[0, 2]], o) for t, o in zip(
+        [t for c in pool.layers.values() for t in vars(c).values()], others))
+
+
 def test_generate_compiled_greedy_tokens_equal_eager(monkeypatch):
     # the same fullgraph capture; a backend with no C++ compilation keeps the test fast
     monkeypatch.setattr(capture, "BACKEND", "aot_eager")

@@ -99,8 +99,7 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
 
 
 def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
-    k = cache.k[:, :, :span]
-    v = cache.v[:, :, :span]
+    k, v = cache.keys(span)  # the rows' positions [0, span)
     q = q.transpose(1, 2)
     # enable_gqa: query head h reads K/V head h // (hq / hkv) without materialising repeated K/V
     out = F.scaled_dot_product_attention(q if q.dtype == k.dtype else q.to(k.dtype), k, v,
@@ -110,11 +109,13 @@ def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
     return out.transpose(1, 2).flatten(2)  # (b, l, hq * d)
 
 
-def _write(cache: AttentionLayerCache, k, v, pos):
-    """Write ``k, v (b, l, hkv, d)`` at positions ``pos (b, l)``."""
-    idx = pos[:, None, :, None].expand(-1, k.shape[2], -1, k.shape[3])
-    cache.k.scatter_(2, idx, k.transpose(1, 2).to(cache.k.dtype))
-    cache.v.scatter_(2, idx, v.transpose(1, 2).to(cache.v.dtype))
+def _write(cache: AttentionLayerCache, rows, k, v, pos):
+    """Write ``k, v (b, l, hkv, d)`` of the batch rows ``rows (b, 1)`` at positions ``pos (b, l)``
+    (at ``[slot, :, pos]`` of a pooled cache)."""
+    rows = cache.index(rows)
+    # advanced indices first, so (b, l, hkv, d) is written without a transpose
+    cache.k[rows, :, pos] = k if k.dtype == cache.k.dtype else k.to(cache.k.dtype)
+    cache.v[rows, :, pos] = v if v.dtype == cache.v.dtype else v.to(cache.v.dtype)
 
 
 def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, span: int,
@@ -167,10 +168,8 @@ def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
         q, k = _rotate_by(q, shared[a.rotary_key]), _rotate_by(k, shared[a.rotary_key])
     else:
         q, k = a.apply_rotary(q, k, shared["positions"])
-    rows, slots = shared["slots"]
-    # (b, n, hkv, d) written at [b, :, slot]: advanced indices first, so no transpose is needed
-    cache.k[rows, :, slots] = k if k.dtype == cache.k.dtype else k.to(cache.k.dtype)
-    cache.v[rows, :, slots] = v if v.dtype == cache.v.dtype else v.to(cache.v.dtype)
+    rows, slots = shared["slots"]  # scratch positions lengths + i
+    _write(cache, rows, k, v, slots)
     return a.o_proj(_attend(a, q, cache, shared["span"], shared["mask"])), AttentionActivations()
 
 
@@ -181,7 +180,7 @@ def prefill(a, h, cache: AttentionLayerCache, start: int):
     q, k, v = a.project_qkv(h)
     pos = start + torch.arange(l, device=h.device).expand(b, l)
     q, k = a.apply_rotary(q, k, pos)
-    _write(cache, k, v, pos)
+    _write(cache, torch.arange(b, device=h.device)[:, None], k, v, pos)
     span = start + l
     mask = torch.ones(l, span, dtype=torch.bool, device=h.device).tril(diagonal=start)
     return a.o_proj(_attend(a, q, cache, span, mask))
