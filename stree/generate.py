@@ -33,7 +33,7 @@ from torch import Tensor
 from stree import capture, native
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
 from stree.draft.base import commit_draft
-from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.sampling import SamplingConfig, sample
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
 from stree.verify import default_verifier, get_verifier
@@ -184,7 +184,7 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
         with timed(stats, "prefill_s", device):
             last = side.prefill(prompts)
             drafting.prefill(prompts)
-            roots = sample_from(target_probs(last, sampling), generator)
+            roots = sample(last, sampling, generator)
         for r, tok in enumerate(roots.tolist()):
             done[r] = _emit(new[r], [tok], max_new_tokens, eos, streamer)
     while not all(done):

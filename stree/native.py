@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from stree.stats import GenerationStats, timed
-from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.sampling import SamplingConfig, sample
 
 
 class NativeSession(Protocol):
@@ -99,7 +99,7 @@ def _decode(factory, model, ids: Tensor, max_new_tokens: int, sampling, eos: set
     done = [False] * b
     with timed(stats, "prefill_s", device):
         session = factory(model, b, l, l + max_new_tokens)
-        tok = sample_from(target_probs(session.prefill(ids), sampling), generator)
+        tok = sample(session.prefill(ids), sampling, generator)
     while True:
         for r, t in enumerate(tok.tolist()):
             if not done[r]:
@@ -112,7 +112,7 @@ def _decode(factory, model, ids: Tensor, max_new_tokens: int, sampling, eos: set
         if all(done):
             return out
         with timed(stats, "verify_s", device):
-            tok = sample_from(target_probs(session.step(tok), sampling), generator)
+            tok = sample(session.step(tok), sampling, generator)
         stats.target_calls += 1
 
 

@@ -65,6 +65,14 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return logits.softmax(-1)
 
 
+def sample(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from ``target_probs(logits, sampling)``: ``(..., v)`` -> ``(...)`` int64.
+    At greedy sampling the argmax itself (no one-hot, no random draw)."""
+    if sampling.is_greedy:
+        return logits.argmax(-1)
+    return sample_from(target_probs(logits, sampling), generator)
+
+
 def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One draw per row from non-negative, maybe unnormalised ``weights`` (..., v) -> (...) int64.
 

@@ -122,13 +122,15 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
             draws without replacement from q; draft order = draw order).
     Returns:
         tokens ``(b, w, count)`` int64 in draft order, and q ``(b, w, v)`` float32 =
-        ``target_probs(logits, sampling)``, the distribution sampled children came from (None for
-        chosen children at greedy sampling, where no verifier reads q).
+        ``target_probs(logits, sampling)``, the distribution sampled children came from (None at
+        greedy sampling for chosen, i.i.d. and chain children, where no verifier reads q).
     """
     if mode == "deterministic":
         # at greedy sampling no verifier reads q (it is None): nothing to compute
         q = None if sampling.is_greedy else target_probs(logits, sampling)
         return logits.topk(count, dim=-1).indices, q
+    if mode in ("iid", "chain") and sampling.is_greedy:  # every draw is the argmax
+        return logits.argmax(-1, keepdim=True).expand(*logits.shape[:-1], count), None
     q = target_probs(logits, sampling)
     if mode in ("iid", "chain"):
         return sample_from(q.unsqueeze(-2).expand(*q.shape[:-1], count, q.shape[-1]), generator), q

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.sampling import SamplingConfig, sample
 
 from .attention import LlamaAttention
 from .cache import AttentionLayerCache, InferenceCache
@@ -205,7 +205,7 @@ class MambaInLlamaForCausalLM(nn.Module):
         logits = self(input_ids, cache, num_last_tokens=1)
         finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for i in range(max_new_tokens):
-            nxt = sample_from(target_probs(logits[:, -1], sampling), generator)
+            nxt = sample(logits[:, -1], sampling, generator)
             if eos.numel():
                 nxt = torch.where(finished, eos[0], nxt)
                 finished |= torch.isin(nxt, eos)
