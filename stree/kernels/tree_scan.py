@@ -256,20 +256,21 @@ def _tree_scan_ref(x, dt, A, B, C, mask, D, z, dt_bias, dt_softplus, dt_limit, i
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, n, h) fp32
     # A_tree in (b, h, n) order: computed as (dt A)^T @ L^T so that it is contiguous and every
     # tensor derived from it keeps a BLAS-friendly layout (a permuted one makes CPU bmm copy
-    # matrix by matrix)
-    at = torch.matmul((dt * _f32(A)).transpose(1, 2), mask_f.transpose(1, 2)).view(b, g, r, n)
+    # matrix by matrix). Products are 3-D bmm: matmul's broadcasting dispatches several times
+    # more ops per product.
+    at = torch.bmm((dt * _f32(A)).transpose(1, 2), mask_f.transpose(1, 2)).view(b, g, r, n)
     # decay[t, s] = exp(A_tree[t] - A_tree[s]) on ancestors, 0 elsewhere (-inf added before exp)
     decay = (at[..., :, None] - at[..., None, :]).add_(bias[:, None]).exp_()  # (b, g, r, n, n)
-    Cg = _f32(C).transpose(1, 2)  # (b, g, n, s)
-    cb = torch.matmul(Cg, _f32(B).permute(0, 2, 3, 1))  # (b, g, n, n)
-    m = decay.mul_(cb[:, :, None]).mul_(dt.transpose(1, 2).view(b, g, r, 1, n))
+    Cg = _f32(C).transpose(1, 2).reshape(b * g, n, -1)  # (b g, n, s)
+    cb = torch.bmm(Cg, _f32(B).permute(0, 2, 3, 1).reshape(b * g, -1, n)).view(b, g, 1, n, n)
+    m = decay.mul_(cb).mul_(dt.transpose(1, 2).view(b, g, r, 1, n))
     xg = _f32(x).view(b, n, g, r, p).permute(0, 2, 3, 1, 4)  # (b, g, r, n, p)
-    y = torch.matmul(m, xg)
+    y = torch.bmm(m.view(-1, n, n), xg.reshape(-1, n, p)).view(b, g, r, n, p)
     if initial_states is not None:  # + exp(A_tree[t]) C[t] . h0
         # one (n, s) @ (s, r * p) product per group: a broadcast batched matmul over r would
         # run as r separate products
-        h0 = _f32(initial_states).view(b, g, r, p, -1).permute(0, 1, 4, 2, 3).reshape(b, g, -1, r * p)
-        init = torch.matmul(Cg, h0).view(b, g, n, r, p).transpose(2, 3)  # (b, g, r, n, p)
+        h0 = _f32(initial_states).view(b, g, r, p, -1).permute(0, 1, 4, 2, 3).reshape(b * g, -1, r * p)
+        init = torch.bmm(Cg, h0).view(b, g, n, r, p).transpose(2, 3)  # (b, g, r, n, p)
         y.addcmul_(init, at.exp()[..., None])
     if D is not None:
         y.addcmul_(xg, _f32(D).view(g, r, 1, -1))
