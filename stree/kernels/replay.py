@@ -111,8 +111,10 @@ def _ssm_replay_ref(ssm_state, x, dt, A, B, path, tables=None):
     la = dt_k * A
     total = la.sum(1)  # (b, h)
     weight = (total[:, None] - la.cumsum(1)).exp_().mul_(dt_k)  # exp(S_j) dt_j, (b, k, h)
-    xw = x[rows, node].float().mul_(weight[..., None]).view(b, k, g, h // g, p)
-    upd = torch.matmul(xw.permute(0, 2, 3, 4, 1), B[rows, node].float().transpose(1, 2)[:, :, None])
+    xw = x[rows, node].float().mul_(weight[..., None]).view(b, k, g, h // g * p)
+    # one (r p, k) @ (k, s) product per group (3-D bmm: matmul's broadcasting dispatches more)
+    upd = torch.bmm(xw.permute(0, 2, 3, 1).reshape(b * g, -1, k),
+                    B[rows, node].float().transpose(1, 2).reshape(b * g, k, s))
     if ssm_state.dtype == torch.float32:
         ssm_state.mul_(total.exp()[..., None, None]).add_(upd.view(b, h, p, s))
     else:
