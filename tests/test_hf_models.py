@@ -130,6 +130,32 @@ def test_batch_of_two_with_different_trees_and_ragged_prompts(family, tmp):
             check_states(model, cache, oracles[r], row=r)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_draft_levels_and_commit_match_own_cached_decoding(case, tmp):
+    """Level-by-level drafting (each node once, Mamba2 layers by ``mamba2.node_step`` from the
+    parent's state) against the model's own cached decoding, then the commit of a path through
+    the forwarded levels."""
+    from stree.draft.base import commit_draft, forward_level
+
+    model, _ = build(family_of(case), tmp, seed=4, **CASES[case])
+    prompt = [5, 9, 2, 7]
+    oracle = StepOracle(model)
+    oracle.feed(prompt)
+    stree.patch(model)
+    cache = model.allocate_tree_cache(1, 32)
+    model.prefill(torch.tensor([prompt]), cache)
+    parents = [-1, 0, 0, 1, 2, 3, 4]  # nodes 5, 6 (depth 3) are never forwarded
+    tree = TokenTree(torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(4)), parents)
+    ref = oracle.node_logits(tree)
+    for s, e in [(0, 1), (1, 3), (3, 5)]:
+        logits = forward_level(model, cache, TokenTree(tree.tokens[:, :e], parents[:e]), s, e, 7)
+        close(logits[0], ref[s:e], f"nodes {s}:{e}")
+    path = [0, 2, 4]
+    assert commit_draft(model, cache, tree, torch.tensor([path]), [3], depth=3)
+    oracle.feed([int(tree.tokens[0, j]) for j in path])
+    check_states(model, cache, oracle)
+
+
 # target family -> draft (another family or a smaller size, same vocabulary)
 DRAFTS = {"mamba2": ("bamba", {"layers": 2}), "bamba": ("mamba2", {"layers": 1}),
           "granite": ("nemotron_h", {"pattern": "M-"}), "nemotron_h": ("mamba2", {"layers": 1}),
