@@ -59,18 +59,15 @@ class TokenTree:
                 f"parents must be (n,) or (b, n) matching tokens {tuple(tokens.shape)}, "
                 f"got {tuple(parents.shape)}")
         parents = parents.expand(b, n).contiguous()
-        _validate_parents(parents)
+        # max_children stays host-side, for verifiers' children tables (no device read per step)
+        depth, paths, self.max_children = _structure(parents.tolist())
         self.max_token = _validate_tokens(tokens, vocab_size)
 
         self.tokens = tokens.contiguous()
-        # host-side, for verifiers' children tables (no device read per step)
-        row_offset = torch.arange(b)[:, None] * n  # children counted per (row, parent)
-        self.max_children = int(torch.bincount((parents[:, 1:] + row_offset).flatten()).max()) \
-            if n > 1 else 0
-        depth, paths = _depth_and_paths(parents)
+        paths = torch.tensor(paths)
         self.max_depth = paths.shape[-1] - 1
         self.parents, self.depth, self.paths, self.mask = (
-            t.to(device) for t in (parents, depth, paths, _ancestor_mask(paths, n)))
+            t.to(device) for t in (parents, torch.tensor(depth), paths, _ancestor_mask(paths, n)))
         self._windows: dict = {}
         self._children: list[list[list[int]]] | None = None
 
@@ -239,41 +236,30 @@ def _validate_tokens(tokens: torch.Tensor, vocab_size: int | None) -> int:
     return hi
 
 
-def _validate_parents(parents: torch.Tensor) -> None:
-    n = parents.shape[1]
-    if (parents[:, 0] != -1).any():
+def _structure(parents: list[list[int]]) -> tuple[list, list, int]:
+    """Validate per-row parent lists and build, in plain Python (a tree is small: this is faster
+    than tensor ops on the host), each node's depth, its root-to-node path (-1 padded to the
+    deepest node's depth + 1) and the most children of any node."""
+    if any(row[0] != -1 for row in parents):
         raise ValueError("parents[0] must be -1: node 0 is the root")
-    if n > 1:
-        rest = parents[:, 1:]
-        if (rest == -1).any():
-            raise ValueError("several roots: only node 0 may have parent -1")
-        idx = torch.arange(1, n)
-        bad = (rest < 0) | (rest >= idx)
-        if bad.any():
-            r, i = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"node {i + 1} of row {r} has parent {int(rest[r, i])}: every parent "
-                             "must come before its child (0 <= parents[i] < i)")
-
-
-def _depth_and_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depth and root-to-node paths by pointer jumping along parents (one pass per tree level)."""
-    b, n = parents.shape
-    node = torch.arange(n, device=parents.device).expand(b, n)
-    chain = [node]  # chain[k] = k-th ancestor (or -1)
-    cur = node
-    while True:
-        nxt = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur)
-        if (nxt < 0).all():
-            break
-        chain.append(nxt)
-        cur = nxt
-    up = torch.stack(chain, dim=-1)  # (b, n, max_depth + 1): node, parent, grandparent, ...
-    depth = (up >= 0).sum(-1) - 1
-    # reverse each row's valid prefix so paths start at the root: paths[i, j] = up[i, depth - j]
-    j = torch.arange(up.shape[-1], device=parents.device)
-    src = (depth.unsqueeze(-1) - j).clamp(min=0)
-    paths = torch.where(j <= depth.unsqueeze(-1), up.gather(2, src), torch.full_like(up, -1))
-    return depth, paths
+    if any(-1 in row[1:] for row in parents):
+        raise ValueError("several roots: only node 0 may have parent -1")
+    depths, paths, max_children = [], [], 0
+    for r, row in enumerate(parents):
+        depth, path, kids = [0] * len(row), [[0]], [0] * len(row)
+        for i in range(1, len(row)):
+            p = row[i]
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} of row {r} has parent {p}: every parent must come "
+                                 "before its child (0 <= parents[i] < i)")
+            depth[i] = depth[p] + 1
+            path.append(path[p] + [i])
+            kids[p] += 1
+        depths.append(depth)
+        paths.append(path)
+        max_children = max(max_children, max(kids))
+    width = max(max(d) for d in depths) + 1
+    return depths, [[q + [-1] * (width - len(q)) for q in path] for path in paths], max_children
 
 
 def _ancestor_mask(paths: torch.Tensor, n: int) -> torch.Tensor:
