@@ -194,10 +194,13 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
             logits = side.logits(d.tree)
             verdict = verifier.verify(d, logits, sampling, generator)
         stats.target_calls += 1
-        # the step's one device read: accepted tokens and the next token of every row
-        read = torch.cat([d.tree.path_tokens(verdict.path)[:, 1:], verdict.next_token[:, None]],
-                         dim=1).tolist()
-        accepted, next_tokens = [r[:-1] for r in read], [r[-1] for r in read]
+        # the step's one device read: accepted tokens, the next token and the path's last node
+        # of every row
+        last = verdict.path.gather(1, verdict.num_accepted[:, None])
+        read = torch.cat([d.tree.path_tokens(verdict.path)[:, 1:], verdict.next_token[:, None],
+                          last], dim=1).tolist()
+        accepted, next_tokens = [r[:-2] for r in read], [r[-2] for r in read]
+        last_nodes = [r[-1] for r in read]
         # path nodes per row, from the tokens already on the host (no further device sync)
         counts = [0 if done[r] else 1 + sum(t >= 0 for t in toks) for r, toks in enumerate(accepted)]
         for r, (toks, nxt) in enumerate(zip(accepted, next_tokens)):
@@ -216,7 +219,7 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
         with timed(stats, "replay_s", device):
             side.commit(d.tree, path, counts)
         with timed(stats, "draft_s", device):
-            drafting.commit(d.tree, path, counts)
+            drafting.commit(d.tree, path, counts, last_nodes)
         roots = verdict.next_token
     if streamer is not None:
         streamer.end()
@@ -253,14 +256,15 @@ class _DraftSide:
         self.stats.draft_calls += self.drafter.draft_runs  # a dynamic drafter's: per draft
         return d
 
-    def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int], last_nodes: list[int]) -> None:
         """Advance the draft along the target's accepted ``path`` (b, k), -1 padded, of
-        ``counts[r]`` nodes per row (host-side, so no device sync)."""
+        ``counts[r]`` nodes per row ending at node ``last_nodes[r]`` (host-side, so no device
+        sync)."""
         self.drafter.observe(tree, path)
         if self.model is None:
             return
-        if commit_draft(self.model, self.cache, tree, path, counts, self.drafter.depth,
-                        self.drafter.layered):
+        if commit_draft(self.model, self.cache, tree, path, counts, last_nodes,
+                        self.drafter.num_forwarded):
             return
         # A tree_forward-only draft model whose path reaches the never-run deepest layer: run
         # the path as a chain.

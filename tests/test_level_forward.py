@@ -38,7 +38,7 @@ def test_levels_and_commit_match_step_decoding(attn_layers):
         # committed state untouched while drafting
         assert all(torch.equal(a, t) for a, t in zip(
             before, [t for c in cache.layers.values() for t in vars(c).values()]))
-        assert commit_draft(model, cache, tree, path, counts, depth=3)
+        assert commit_draft(model, cache, tree, path, counts, [p[-1] for p in paths], 5)
         for r in range(2):
             oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
             check_states(model, cache, oracles[r], row=r)
@@ -70,7 +70,7 @@ def test_mamba_ssm_levels_equal_tree_forward():
         close(logits, full[:, s:e], f"nodes {s}:{e}")
     path, counts = torch.tensor([[0, 2, 4, 6], [0, 1, -1, -1]]), [4, 2]
     caches[0].commit(path, counts)
-    assert commit_draft(model, caches[1], tree, path, counts, depth=3)
+    assert commit_draft(model, caches[1], tree, path, counts, [6, 1], 5)
     assert caches[0].seqlens == caches[1].seqlens == [7, 5]
     for i, layer in caches[0].layers.items():
         for name, t in vars(layer).items():
@@ -78,3 +78,24 @@ def test_mamba_ssm_levels_equal_tree_forward():
                 ref = t[r] if name.endswith("state") else t[r, :, :n]
                 got = getattr(caches[1].layers[i], name)[r]
                 close(got if name.endswith("state") else got[:, :n], ref, f"layer {i} {name} row {r}")
+
+
+def test_commit_runs_no_level_when_every_path_ends_at_a_forwarded_node():
+    model = stree.patch(make_hybrid((1,), seed=5))
+    cache = model.allocate_tree_cache(2, 32)
+    model.prefill(torch.tensor([[1, 2], [3, 4]]), cache)
+    oracles = [StepOracle(model) for _ in range(2)]
+    for o, p in zip(oracles, [[1, 2], [3, 4]]):
+        o.feed(p)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 1, 3, 3]])
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 7)), parents)
+    for s, e in LEVELS:
+        forward_level(model, cache, TokenTree(tree.tokens[:, :e], parents[:, :e]), s, e, capacity=7)
+    calls = []
+    model.level_forward = lambda *a, **k: calls.append(a)  # must not be needed
+    paths = [[0, 2, 4], [0]]
+    assert commit_draft(model, cache, tree, torch.tensor([paths[0], [0, -1, -1]]), [3, 1], [4, 0], 5)
+    assert not calls
+    for r in range(2):
+        oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
+        check_states(model, cache, oracles[r], row=r)

@@ -68,8 +68,8 @@ class Drafter(ABC):
 
     @property
     def layered(self) -> bool:
-        """Whether every node above the deepest layer was forwarded by the draft (static shapes);
-        dynamic drafters leave nodes of their last round unforwarded at any depth."""
+        """Whether every draft has the same layered shape (a static template, whose steps
+        ``compile=True`` can compile); dynamic drafters build a new shape per step."""
         return True
 
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
@@ -160,28 +160,28 @@ def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Te
     return model.tree_forward(tree, cache)[:, start:end]
 
 
-def commit_draft(model, cache, tree, path: Tensor, counts: list[int], depth: int,
-                 layered: bool = True) -> bool:
+def commit_draft(model, cache, tree, path: Tensor, counts: list[int], last_nodes: list[int],
+                 num_forwarded: int) -> bool:
     """Advance the draft cache along the target's accepted ``path (b, k)`` of ``counts[r]`` nodes
-    per row (host ints; no device sync). ``depth``: the drafter's depth (its deepest layer was
-    never forwarded). ``layered``: the drafter forwarded every node above its deepest layer (static
-    drafters); a dynamic drafter's last round adds unforwarded nodes at any depth, so the last node
-    of every row's path is run (a forwarded one again, which recomputes the same state). Returns
-    False when the caller must run the path as a chain instead (a ``tree_forward`` model whose last
-    call did not cover the path).
+    per row, ending at node ``last_nodes[r]`` (host ints; no device sync). The draft forwarded the
+    first ``num_forwarded`` nodes of ``tree`` (drafters forward prefixes; the rest, a static
+    tree's deepest layer or a dynamic tree's last round, never ran). Returns False when the
+    caller must run the path as a chain instead (a ``tree_forward`` model whose last call did not
+    cover the path).
 
-    After ``forward_level``: nodes of the deepest level that end an accepted path run once, one
-    node per row from its parent's state, then the committed state becomes the state of each
-    row's last path node (no replay, no chain).
+    After ``forward_level``: when a row's path ends at a node that never ran, the last node of
+    every row runs once from its parent's state (rows ending higher recompute the state they
+    have), then the committed state becomes the state of each row's last path node (no replay,
+    no chain).
     """
+    unforwarded = any(c and node >= num_forwarded for c, node in zip(counts, last_nodes))
     if not hasattr(model, "level_forward"):
-        if layered and max(counts) <= depth:  # layered: the path stops above the never-forwarded layer
-            cache.commit(path[:, :depth], counts)
+        if not unforwarded:
+            cache.commit(path[:, :max(counts)], counts)
             return True
         return False
-    if not layered or max(counts) - 1 > cache.pending.forwarded_depth:
-        last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
-        nodes = path.gather(1, last[:, None]).clamp(min=0)  # rows ending higher redo their node
+    if unforwarded:
+        nodes = torch.tensor([max(node, 0) for node in last_nodes], device=path.device)[:, None]
         model.level_forward(tree, cache, nodes)
     cache.commit(path, counts)
     return True
