@@ -64,20 +64,39 @@ class DySpecDrafter(DynamicTreeDrafter):
     def candidates(self) -> int:
         return int(self.budget)  # a node never gets more children than the budget
 
-    def select(self, slots: Slots) -> tuple[Tensor, Tensor]:
+    def priority(self, slots: Slots) -> tuple[Tensor, Tensor]:
+        """``(key, bound)`` (b, F, K): the greedy's key of each slot, and an upper bound on the key
+        of the first child slot of the node the slot would create (which needs a draft run).
+
+        Uncalibrated (the paper): key = the slot value (probability the slot is tested, with a
+        constant acceptance ``rho``), bound = the created node's value. Calibrated: the expected
+        acceptance the slot adds, known before the draw: ``slot value * rho_k`` for sampled
+        children (``rho`` the measured rate of a k-th child), the created node's own value for
+        ranked ones (their tokens are known; Theorem D.1's maximum-weight subtree), made
+        non-increasing along siblings so that they are taken in draft order."""
         value = slots.slot_value
+        if slots.rho is None:
+            return value, slots.child_value
+        if slots.ranked:
+            key = slots.child_value.cummin(-1).values
+            return key, slots.child_value
+        return value * slots.rho, slots.child_value * slots.rho[0]
+
+    def select(self, slots: Slots) -> tuple[Tensor, Tensor]:
         if self.threshold is not None:
+            value = slots.slot_value
             return value, value >= self.threshold
+        key, bound = self.priority(slots)
         if slots.last:
-            return value, slots.open
-        # Heap order within the round: free slots by decreasing value, while each is worth at
-        # least every node taken before it in this round (else the heap would pop that node's
-        # first child slot next, which needs a draft run).
-        b = value.shape[0]
-        flat_v = value.masked_fill(~slots.open, -1.0).flatten(1)
-        sv, idx = flat_v.sort(dim=1, descending=True, stable=True)
-        child = slots.child_value.flatten(1).gather(1, idx)
-        before = torch.cat([torch.full((b, 1), -1.0, device=sv.device),
+            return key, slots.open
+        # Heap order within the round: free slots by decreasing key, while each is worth at
+        # least the bound of every node taken before it in this round (else the heap would pop
+        # that node's first child slot next, which needs a draft run).
+        b = key.shape[0]
+        flat = key.masked_fill(~slots.open, -1.0).flatten(1)
+        sk, idx = flat.sort(dim=1, descending=True, stable=True)
+        child = bound.flatten(1).gather(1, idx)
+        before = torch.cat([torch.full((b, 1), -1.0, device=sk.device),
                             child.cummax(1).values[:, :-1]], 1)
-        ok = ((sv >= before) & (sv >= 0)).long().cumprod(1).bool()
-        return value, torch.zeros_like(ok).scatter(1, idx, ok).view_as(value)
+        ok = ((sk >= before) & (sk >= 0)).long().cumprod(1).bool()
+        return key, torch.zeros_like(ok).scatter(1, idx, ok).view_as(key)
