@@ -132,7 +132,7 @@ def test_dyspec_matches_algorithm_1(seed, vt, budget):
     model = FakeLM(V, seed=seed, scale=1.5)
     prompt = torch.tensor([3, 7 + seed])
     d = parse_drafter(f"dyspec-paper:{budget}:{budget}:{vt}")
-    assert d.calibration is None
+    assert d.calibration is None and d.name == f"dyspec-paper:{budget}"
     tree = drafted(d, model, [prompt]).tree
     assert tree.num_nodes == budget + 1
     assert node_paths(tree) == dyspec_alg1(model, 3, 7 + seed, budget, d.value_temperature)
@@ -167,7 +167,7 @@ def dyspec_max_weight(model, prev, root, budget, temperature):
 def test_calibrated_dyspec_ranked_is_the_max_weight_subtree(seed, vt, budget):
     model = FakeLM(V, seed=seed, scale=1.5)
     d = parse_drafter(f"dyspec:{budget}:{budget}:{vt}")
-    assert d.calibration is not None
+    assert d.calibration is not None and d.name == f"dyspec:{budget}"
     tree = drafted(d, model, [torch.tensor([3, 7 + seed])]).tree
     assert node_paths(tree) == dyspec_max_weight(model, 3, 7 + seed, budget, vt)
 
