@@ -57,31 +57,36 @@ def test_node_verdicts_follow_first_match_order():
 def test_estimates_start_at_the_draft_and_move_to_the_measured_rate():
     cal = AcceptanceCalibration(prior_weight=2.0, decay=1.0)
     x = torch.tensor([[0.005, 0.4, 0.99]])
-    assert torch.equal(cal(x), x)  # no verdicts: DySpec's own estimate
-    assert torch.equal(cal.rank_rates(4, "cpu"), torch.ones(4))  # DySpec's constant rho
+    for binned in (True, False):
+        assert torch.equal(cal(x, binned), x)  # no verdicts: DySpec's own estimate
+        assert torch.equal(cal.rank_rates(4, "cpu", binned), torch.ones(4))  # constant rho
     # a 3-node chain below the root, every node a first child with x = 0.005: all accepted
-    cells = cal.cells(torch.tensor([[0.0, 0.005, 0.005, 0.005]])[..., None])[..., 0]
+    cells = cal.cells(torch.tensor([[0.0, 0.005, 0.005, 0.005]])[..., None], True)[..., 0]
     cells[:, 0] = -1  # the root is never counted
     parents = torch.tensor([[-1, 0, 1, 2]])
     for _ in range(50):
         cal.update(cells, parents, torch.tensor([[0, 1, 2, 3]]))
-    h = cal(torch.tensor([[0.005, 0.3, 0.2]]))  # the last axis is the rank
+    h = cal(torch.tensor([[0.005, 0.3, 0.2]]), True)  # the last axis is the rank
     assert h[0, 0] > 0.95  # the cell itself: 150 of 150 accepted
     assert torch.allclose(h[0, 1:], torch.tensor([0.3, 0.2]))  # ranks 1, 2: no verdicts yet
     # other cells of rank 0 shrink to the rank's pooled rate, not to x
-    assert cal(torch.tensor([[0.3]]))[0, 0] > 0.9
+    assert cal(torch.tensor([[0.3]]), True)[0, 0] > 0.9
+    # sampled children have a block of their own: still the paper's estimate
+    assert torch.equal(cal(x, False), x)
     # rank 1 and 2 have no verdicts: the overall rate, made non-increasing over ranks
-    rho = cal.rank_rates(3, "cpu")
+    rho = cal.rank_rates(3, "cpu", True)
     assert rho[0] > 0.95 and torch.all(rho[1:] <= rho[:-1])
     # now the first child is always rejected and the second accepted: rank 1 > rank 0 measured,
     # but rho stays non-increasing (a later sibling is never preferred)
-    par2, cells2 = torch.tensor([[-1, 0, 0]]), cal.cells(torch.tensor([[0.5, 0.5]]))
+    # sampled children: by rank only, whatever x
+    par2, cells2 = torch.tensor([[-1, 0, 0]]), cal.cells(torch.tensor([[0.5, 0.5]]), False)
     cells2 = torch.cat([torch.tensor([[-1]]), cells2], 1)
     for _ in range(400):
         cal.update(cells2, par2, torch.tensor([[0, 2]]))
-    assert cal(torch.tensor([[0.5, 0.5]]))[0, 1] > 0.9
-    rho = cal.rank_rates(2, "cpu")
-    assert rho[1] == rho[0]
+    h = cal(torch.tensor([[0.01, 0.01], [0.9, 0.9]]), False)
+    assert torch.all(h[:, 1] > 0.9) and torch.all(h[:, 0] < 0.1)
+    rho = cal.rank_rates(2, "cpu", False)
+    assert rho[1] == rho[0] < 0.1
 
 
 @pytest.mark.parametrize("kwargs", [dict(edges=(0.5, 0.2)), dict(edges=(0.0, 0.5)),
@@ -127,17 +132,8 @@ class _OwnTokenKey(DySpecDrafter):
         return slots.child_value.cummin(-1).values, slots.child_value
 
 
-def _extreme_calibration() -> AcceptanceCalibration:
-    """Unlikely draws (x < 0.3) look sure to pass, likely ones sure to fail."""
-    cal = AcceptanceCalibration(decay=1.0)
-    tested, accepted = cal._tables("cpu")
-    tested += 1000.0
-    accepted.view(cal.rank_groups, -1)[:, :5] += 1000.0
-    return cal
-
-
 @pytest.mark.parametrize("rule,lossless", [(DySpecDrafter, True), (_OwnTokenKey, False)])
 def test_distribution_test_catches_a_key_from_the_drawn_token(rule, lossless):
     """Same trees, same draws: the right key passes, the one reading the drawn token fails."""
-    p = _pvalue(rule(3, max_depth=2, calibration=_extreme_calibration()), rows=20000)
+    p = _pvalue(rule(3, max_depth=2, calibration=AcceptanceCalibration()), rows=20000)
     assert p > 1e-3 if lossless else p < 1e-6

@@ -9,15 +9,18 @@ the first child) is large, so DySpec's greedy spends its budget on siblings and 
 shallow; at T = 0 the draft's confidence at temperature 0.6 over- or under-states how often the
 target's argmax agrees.
 
-This table replaces ``x_k`` by the *measured* acceptance rate of children with a similar estimate:
-cells are (sibling rank 0, 1, >= 2) x (bins of ``x_k``); each cell counts the children tested
-(parent on the accepted path, no earlier sibling accepted: first-match and MSS verification test
-siblings in draft order) and accepted in earlier steps, with a Beta-style prior that is the
-paper's estimate itself::
+This table replaces ``x_k`` by the *measured* acceptance rate of earlier children like it: each
+cell counts the children tested (parent on the accepted path, no earlier sibling accepted:
+first-match and MSS verification test siblings in draft order) and accepted in earlier steps.
+Ranked children (T = 0) have cells by sibling rank (0, 1, >= 2) and bin of ``x_k``, and
 
-    h_k = (accepted[cell] + w * x_k) / (tested[cell] + w)
+    m = (accepted[rank] + w x_k) / (tested[rank] + w),   h_k = (accepted[cell] + w m) / (tested[cell] + w)
 
-so before any verdict the drafter is exactly DySpec's. Counts decay by ``decay`` per step and are
+(the rank's pooled rate shrunk to the paper's estimate, the cell's shrunk to the pooled rate).
+Sampled children (T > 0) have cells by rank only, ``h_k = m``: for a draw ``y ~ q`` MSS accepts
+with ``min(1, p(y) / q(y))``, which ``q(y)`` hardly predicts (on the shipped pair, 5 prompts x 128
+tokens at T = 1, binning by ``x`` lost 5-15% of tau against rank only; at T = 0 it gained 9%).
+Before any verdict the estimate is ``x_k``, the paper's. Counts decay by ``decay`` per step and are
 kept on the device (updates and look-ups are scatters and gathers: no host sync).
 
 Losslessness: ``h_k`` is a function of ``x_k`` (the child's own token) and of earlier steps'
@@ -64,7 +67,9 @@ class AcceptanceCalibration:
 
     @property
     def num_cells(self) -> int:
-        return int(self.rank_groups) * (len(self.edges) + 1)
+        """Two blocks of rank groups x bins: ranked children's, then sampled children's (whose
+        bin is always 0)."""
+        return 2 * int(self.rank_groups) * (len(self.edges) + 1)
 
     def _tables(self, device) -> tuple[Tensor, Tensor]:
         if self.tested is None or self.tested.device != torch.device(device):
@@ -72,34 +77,45 @@ class AcceptanceCalibration:
             self.accepted = torch.zeros(self.num_cells, device=device)
         return self.tested, self.accepted
 
-    def cells(self, x: Tensor) -> Tensor:
-        """Cell index of each estimate ``x (..., K)``, the last axis being the sibling rank."""
+    def cells(self, x: Tensor, binned: bool) -> Tensor:
+        """Cell index of each estimate ``x (..., K)``, the last axis being the sibling rank.
+        ``binned``: the children are the draft's ranking (cells by rank and bin of ``x``);
+        otherwise they were sampled, and their cells are by rank only, in a block of their own."""
+        bins, groups = len(self.edges) + 1, int(self.rank_groups)
+        rank = torch.arange(x.shape[-1], device=x.device).clamp(max=groups - 1)
+        if not binned:
+            return (groups + rank) * bins + torch.zeros_like(x, dtype=torch.long)
         edges = torch.tensor(self.edges, device=x.device, dtype=x.dtype)
-        rank = torch.arange(x.shape[-1], device=x.device).clamp(max=int(self.rank_groups) - 1)
-        return rank * (len(self.edges) + 1) + torch.bucketize(x, edges, right=True)
+        return rank * bins + torch.bucketize(x, edges, right=True)
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, binned: bool) -> Tensor:
         """Calibrated acceptance ``h`` of estimates ``x (..., K)`` (same shape, in [0, 1])."""
         tested, accepted = self._tables(x.device)
-        cell = self.cells(x)
-        group = cell // (len(self.edges) + 1)
-        w = self.prior_weight
-        # Two levels of shrinkage: the rank group's pooled rate (prior: x), then the cell's.
-        pooled = (accepted.view(self.rank_groups, -1).sum(1)[group] + w * x) / (
-            tested.view(self.rank_groups, -1).sum(1)[group] + w)
+        cell = self.cells(x, binned)
+        bins, w = len(self.edges) + 1, self.prior_weight
+        group = cell // bins
+        # The rank group's pooled rate, shrunk to x; for ranked children then the cell's rate,
+        # shrunk to the pooled one.
+        pooled = (accepted.view(-1, bins).sum(1)[group] + w * x) / (
+            tested.view(-1, bins).sum(1)[group] + w)
+        if not binned:
+            return pooled
         return (accepted[cell] + w * pooled) / (tested[cell] + w)
 
-    def rank_rates(self, K: int, device) -> Tensor:
+    def rank_rates(self, K: int, device, binned: bool) -> Tensor:
         """``rho (K,)``: the measured acceptance of a k-th child given it is tested, pooled over
         the estimate bins and made non-increasing in k (a later sibling is never preferred to an
-        earlier one); a group without verdicts shrinks to the overall rate (1 with none at all,
-        DySpec's constant ``rho``)."""
+        earlier one); a group without verdicts shrinks to the overall rate of its block (1 with
+        none at all, DySpec's constant ``rho``)."""
         tested, accepted = self._tables(device)
-        t, a = tested.view(self.rank_groups, -1).sum(1), accepted.view(self.rank_groups, -1).sum(1)
+        groups, bins = int(self.rank_groups), len(self.edges) + 1
+        block = slice(0, groups) if binned else slice(groups, 2 * groups)
+        t = tested.view(-1, bins).sum(1)[block]
+        a = accepted.view(-1, bins).sum(1)[block]
         w = self.prior_weight
         overall = (a.sum() + w) / (t.sum() + w)
         rate = (a + w * overall) / (t + w)
-        rank = torch.arange(K, device=device).clamp(max=int(self.rank_groups) - 1)
+        rank = torch.arange(K, device=device).clamp(max=groups - 1)
         return rate[rank].cummin(0).values
 
     def update(self, cells: Tensor, parents: Tensor, path: Tensor) -> None:

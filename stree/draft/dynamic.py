@@ -208,7 +208,7 @@ class DynamicTreeDrafter(Drafter):
             tree.add_candidates(logits, min(self.candidates, logits.shape[-1]), mode, sampling,
                                 generator, self.value_temperature, self.calibration)
             rho = None if self.calibration is None else self.calibration.rank_rates(
-                tree.cand_p.shape[-1], roots.device)
+                tree.cand_p.shape[-1], roots.device, binned=mode == "deterministic")
             key, take = self.select(tree.slots(fresh, last=rounds == self.max_depth,
                                                ranked=mode == "deterministic", rho=rho))
             if not tree.append(key, take):
@@ -295,9 +295,9 @@ class GrowingTree:
         if calibration is not None:
             left = (1 - (d.cumsum(-1) - d)).clamp_min(torch.finfo(d.dtype).tiny)
             x = (d / left).clamp(0, 1)
-            h = calibration(x)
+            h = calibration(x, binned=ranked)
             reach = torch.cat([torch.ones_like(h[..., :1]), (1 - h[..., :-1]).cumprod(-1)], -1)
-            self.cand_cell[:, new] = calibration.cells(x)
+            self.cand_cell[:, new] = calibration.cells(x, binned=ranked)
             d = torch.where(d > 0, h * reach, 0.0)  # a child q cannot draw stays closed
         self.cand_p[:, new] = d
         self.forwarded = self.size
