@@ -14,7 +14,7 @@ probabilities of u's earlier samples)``: the estimated probability that the veri
 * ``dyspec:N[:D[:VT]]`` (default): the same greedy with calibrated estimates
   (:mod:`stree.draft.calibration`): a child's acceptance estimate ``x_k = d_k / (1 - sum_{j<k}
   d_j)`` (the paper's) is replaced by the measured acceptance rate of earlier children of the
-  same sibling rank and a similar ``x``, and the heap key is the expected acceptance the slot
+  same sibling rank (and, for ranked children, a similar ``x``), and the heap key is the expected acceptance the slot
   adds, known before its draw: ``slot value * rho_k`` for sampled children (``rho_k`` the measured
   rate of k-th children, non-increasing in k; the paper's ``rho`` is a constant), the node's own
   value for ranked children (their token is known: Theorem D.1's maximum-weight subtree, keys
