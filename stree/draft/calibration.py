@@ -19,7 +19,8 @@ Ranked children (T = 0) have cells by sibling rank (0, 1, >= 2) and bin of ``x_k
 (the rank's pooled rate shrunk to the paper's estimate, the cell's shrunk to the pooled rate).
 Sampled children (T > 0) have cells by rank only, ``h_k = m``: for a draw ``y ~ q`` MSS accepts
 with ``min(1, p(y) / q(y))``, which ``q(y)`` hardly predicts (on the shipped pair, 5 prompts x 128
-tokens at T = 1, binning by ``x`` lost 5-15% of tau against rank only; at T = 0 it gained 9%).
+tokens at T = 1, binning by ``x`` lost 5-15% of tau against rank only, within noise on 10 prompts;
+at T = 0 it gained 9%).
 Before any verdict the estimate is ``x_k``, the paper's. Counts decay by ``decay`` per step and are
 kept on the device (updates and look-ups are scatters and gathers: no host sync).
 
