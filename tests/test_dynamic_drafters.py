@@ -131,7 +131,8 @@ def test_dyspec_matches_algorithm_1(seed, vt, budget):
     """Round-batched greedy = the heap's tree, node for node (depth cap not binding)."""
     model = FakeLM(V, seed=seed, scale=1.5)
     prompt = torch.tensor([3, 7 + seed])
-    d = parse_drafter(f"dyspec:{budget}:{budget}:{vt}")
+    d = parse_drafter(f"dyspec-paper:{budget}:{budget}:{vt}")
+    assert d.calibration is None and d.name == f"dyspec-paper:{budget}"
     tree = drafted(d, model, [prompt]).tree
     assert tree.num_nodes == budget + 1
     assert node_paths(tree) == dyspec_alg1(model, 3, 7 + seed, budget, d.value_temperature)
@@ -140,6 +141,35 @@ def test_dyspec_matches_algorithm_1(seed, vt, budget):
     assert len(calls) == d.draft_runs < budget or budget <= 5
     last = TokenTree(calls[-1].tokens, calls[-1].parents)
     assert last.num_nodes == d.num_forwarded and d.depth == last.max_depth + 1  # commit's cut
+
+
+def dyspec_max_weight(model, prev, root, budget, temperature):
+    """Calibrated DySpec with ranked children before any verdict: the maximum-weight subtree of
+    Theorem D.1 (weight = path probability), grown by a heap over nodes, not slots."""
+    nodes = {(): (prev, root, 1.0)}
+    toks, probs = ranked(model, prev, root, temperature)
+    heap, tick = [(-probs[0], 0, (), 0)], 1       # (-child weight, tiebreak, parent path, k)
+    while len(nodes) - 1 < budget:
+        w, _, path, k = heapq.heappop(heap)
+        pv, tok, a = nodes[path]
+        toks, probs = ranked(model, pv, tok, temperature)
+        child = path + (toks[k],)
+        nodes[child] = (tok, toks[k], -w)
+        heapq.heappush(heap, (-a * probs[k + 1], tick, path, k + 1))
+        ctoks, cprobs = ranked(model, tok, toks[k], temperature)
+        heapq.heappush(heap, (w * cprobs[0], tick + 1, child, 0))
+        tick += 2
+    return set(nodes) - {()}
+
+
+@pytest.mark.parametrize("seed,vt", [(0, 0.6), (1, 1.0)])
+@pytest.mark.parametrize("budget", [5, 16, 40])
+def test_calibrated_dyspec_ranked_is_the_max_weight_subtree(seed, vt, budget):
+    model = FakeLM(V, seed=seed, scale=1.5)
+    d = parse_drafter(f"dyspec:{budget}:{budget}:{vt}")
+    assert d.calibration is not None and d.name == f"dyspec:{budget}"
+    tree = drafted(d, model, [torch.tensor([3, 7 + seed])]).tree
+    assert node_paths(tree) == dyspec_max_weight(model, 3, 7 + seed, budget, vt)
 
 
 @pytest.mark.parametrize("seed", [0, 3])

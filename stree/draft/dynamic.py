@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from stree.draft.base import Drafter, forward_level, pick_children
+from stree.draft.calibration import AcceptanceCalibration
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
@@ -50,7 +51,9 @@ class Slots:
 
     a: path probability of each node; depth: its depth; fresh: run for the first time this round;
     open: slots still free (real node, not taken yet, candidate probability > 0); prob: ``d_u`` of
-    each ordered candidate; last: True in the last allowed round (its nodes stay leaves).
+    each ordered candidate; last: True in the last allowed round (its nodes stay leaves);
+    ranked: the candidates are the draft's ranking, not draws; rho: ``(K,)`` measured acceptance
+    of a k-th child (non-increasing in k) when the drafter is calibrated, else None.
     """
 
     a: Tensor
@@ -59,6 +62,8 @@ class Slots:
     open: Tensor
     prob: Tensor
     last: bool
+    ranked: bool = False
+    rho: Tensor | None = None
 
     @property
     def slot_value(self) -> Tensor:
@@ -87,6 +92,7 @@ class LastDraft:
     depth: int
     runs: int
     num_forwarded: int = 0
+    cells: Tensor | None = None  # (b, n) calibration cell of each node, -1: root and padding
 
 
 @dataclass(eq=False)
@@ -101,6 +107,8 @@ class DynamicTreeDrafter(Drafter):
     mode: str | None = None
     # Temperature of the draft softmax that values ranked ("deterministic") children.
     value_temperature: float = 1.0
+    # Replaces the draft's estimate of a child's acceptance by the measured rate (DySpec values).
+    calibration: AcceptanceCalibration | None = None
     _last: LastDraft = field(init=False, repr=False)
 
     @property
@@ -198,13 +206,21 @@ class DynamicTreeDrafter(Drafter):
                                    self.num_nodes)
             rounds += 1
             tree.add_candidates(logits, min(self.candidates, logits.shape[-1]), mode, sampling,
-                                generator, self.value_temperature)
-            key, take = self.select(tree.slots(fresh, last=rounds == self.max_depth))
+                                generator, self.value_temperature, self.calibration)
+            rho = None if self.calibration is None else self.calibration.rank_rates(
+                tree.cand_p.shape[-1], roots.device, binned=mode == "deterministic")
+            key, take = self.select(tree.slots(fresh, last=rounds == self.max_depth,
+                                               ranked=mode == "deterministic", rho=rho))
             if not tree.append(key, take):
                 break
         ran = tree.depth[:, :tree.forwarded]
-        self._last = LastDraft(depth=int(ran.max()) + 1, runs=rounds, num_forwarded=tree.forwarded)
+        self._last = LastDraft(depth=int(ran.max()) + 1, runs=rounds, num_forwarded=tree.forwarded,
+                               cells=tree.cell[:, :tree.size])
         return tree.as_draft(mode)
+
+    def observe(self, tree: TokenTree, path: Tensor) -> None:
+        if self.calibration is not None and self._last.cells is not None:
+            self.calibration.update(self._last.cells, tree.parents, path)
 
 
 @dataclass
@@ -219,7 +235,9 @@ class GrowingTree:
     a: Tensor
     real: Tensor
     taken: Tensor
+    cell: Tensor
     cand_tok: Tensor | None = None
+    cand_cell: Tensor | None = None
     cand_p: Tensor | None = None
     q: Tensor | None = None
     size: int = 1
@@ -236,7 +254,8 @@ class GrowingTree:
         real[:, 0] = True
         return cls(tokens=tokens, parents=torch.full((b, cap), -1, dtype=torch.long, device=dev),
                    depth=torch.zeros(b, cap, dtype=torch.long, device=dev), a=a, real=real,
-                   taken=torch.zeros(b, cap, dtype=torch.long, device=dev))
+                   taken=torch.zeros(b, cap, dtype=torch.long, device=dev),
+                   cell=torch.full((b, cap), -1, dtype=torch.long, device=dev))
 
     def partial(self) -> TokenTree:
         return TokenTree(self.tokens[:, :self.size], self.parents[:, :self.size])
@@ -248,13 +267,21 @@ class GrowingTree:
         return out
 
     def add_candidates(self, logits: Tensor, K: int, mode: str, sampling: SamplingConfig,
-                       generator, value_temperature: float) -> None:
+                       generator, value_temperature: float,
+                       calibration: AcceptanceCalibration | None = None) -> None:
         """Store the ordered candidates of the nodes just run (``logits (b, size - forwarded,
-        v)``); ranked children are valued by the draft's softmax at ``value_temperature``."""
+        v)``); ranked children are valued by the draft's softmax at ``value_temperature``.
+
+        With a ``calibration`` the stored probabilities are the calibrated ones: candidate k's
+        residual estimate ``x_k = d_k / (1 - sum_{j<k} d_j)`` becomes ``h_k`` and its stored
+        probability ``h_k prod_{j<k} (1 - h_j)``, so that every value formula (``slot_value``,
+        ``child_value``) reads calibrated estimates; without verdicts ``h = x`` and the stored
+        probability is ``d`` again."""
         b, cap = self.tokens.shape
         if self.cand_tok is None:
             self.cand_tok = torch.zeros(b, cap, K, dtype=torch.long, device=logits.device)
             self.cand_p = torch.zeros(b, cap, K, device=logits.device)
+            self.cand_cell = torch.full((b, cap, K), -1, dtype=torch.long, device=logits.device)
         picks, probs = pick_children(logits, K, mode, sampling, generator)
         ranked = mode == "deterministic"
         dist = (logits.float() / value_temperature).softmax(-1) if ranked else probs
@@ -264,7 +291,15 @@ class GrowingTree:
                 self.q = torch.zeros(b, cap, logits.shape[-1], device=logits.device)
             self.q[:, new] = probs
         self.cand_tok[:, new] = picks
-        self.cand_p[:, new] = dist.gather(-1, picks)
+        d = dist.gather(-1, picks)
+        if calibration is not None:
+            left = (1 - (d.cumsum(-1) - d)).clamp_min(torch.finfo(d.dtype).tiny)
+            x = (d / left).clamp(0, 1)
+            h = calibration(x, binned=ranked)
+            reach = torch.cat([torch.ones_like(h[..., :1]), (1 - h[..., :-1]).cumprod(-1)], -1)
+            self.cand_cell[:, new] = calibration.cells(x, binned=ranked)
+            d = torch.where(d > 0, h * reach, 0.0)  # a child q cannot draw stays closed
+        self.cand_p[:, new] = d
         self.forwarded = self.size
 
     def free(self) -> Tensor:
@@ -273,10 +308,11 @@ class GrowingTree:
         ks = torch.arange(self.cand_p.shape[-1], device=self.tokens.device)
         return self.real[:, :e, None] & (ks >= self.taken[:, :e, None]) & (self.cand_p[:, :e] > 0)
 
-    def slots(self, fresh: Tensor, last: bool) -> Slots:
+    def slots(self, fresh: Tensor, last: bool, ranked: bool = False,
+              rho: Tensor | None = None) -> Slots:
         e = self.size
         return Slots(a=self.a[:, :e], depth=self.depth[:, :e], fresh=fresh, open=self.free(),
-                     prob=self.cand_p[:, :e], last=last)
+                     prob=self.cand_p[:, :e], last=last, ranked=ranked, rho=rho)
 
     def append(self, key: Tensor, take: Tensor) -> int:
         """Append the open slots ``take`` marks, in decreasing ``key``, cut at the capacity; pad
@@ -301,6 +337,7 @@ class GrowingTree:
         self.a[:, span] = torch.where(valid, child_a, 0.0)
         self.depth[:, span] = torch.where(valid, self.depth.gather(1, u) + 1, 1)
         self.real[:, span] = valid
+        self.cell[:, span] = torch.where(valid, self.cand_cell[:, :e].flatten(1).gather(1, order), -1)
         self.taken.scatter_add_(1, u, valid.long())
         self.size += width
         return width

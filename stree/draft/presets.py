@@ -3,7 +3,8 @@
 Spec strings: ``"chain:K"``, ``"static:NAME"`` (NAME in :data:`STATIC_TREES`), ``"static:w1,w2,..."``
 (layer widths), either static form with a ``":MODE"`` suffix (``"static:fig4a:iid"``),
 ``"beam:NxM"`` (N steps, M beams), or a bare static name (``"fig4a"``, ``"A"``). Dynamic trees
-(a shape per step and row, see ``dyspec.py`` and ``dynatree.py``): ``"dyspec:N[:D[:VT]]"``,
+(a shape per step and row, see ``dyspec.py`` and ``dynatree.py``): ``"dyspec:N[:D[:VT]]"`` (and
+``"dyspec-paper:..."``, without the online calibration),
 ``"dyspec-threshold:T[:N[:D]]"``, ``"dynatree:DxB:N[:TAU]"``, ``"dynatree2[:N]"``; ``"auto"``
 picks among chains, static presets and DySpec budgets by predicted tokens/s (``auto.py``).
 
@@ -30,6 +31,7 @@ import re
 
 from stree.draft.base import Drafter
 from stree.draft.beam import BeamTreeDrafter
+from stree.draft.calibration import AcceptanceCalibration
 from stree.draft.chain import ChainDrafter
 from stree.draft.dynatree import DynaTree2Drafter, DynaTreeDrafter
 from stree.draft.dyspec import DySpecDrafter
@@ -46,7 +48,7 @@ STATIC_TREES: dict[str, tuple[int, ...]] = {
 
 _MODES = ("deterministic", "iid", "without_replacement")
 _HELP = ("expected 'chain:K', 'static:NAME' or 'static:W1,W2,...' (optionally ':MODE'), "
-         "'beam:NxM', 'dyspec:N[:D[:VT]]', 'dyspec-threshold:T[:N[:D]]', 'dynatree:DxB:N[:TAU]', "
+         "'beam:NxM', 'dyspec[-paper]:N[:D[:VT]]', 'dyspec-threshold:T[:N[:D]]', 'dynatree:DxB:N[:TAU]', "
          f"'dynatree2[:N]', 'auto', or a bare static name; NAME in {sorted(STATIC_TREES)}, "
          f"MODE in {list(_MODES)}")
 _NUM = r"(\d+(?:\.\d*)?(?:e-?\d+)?)"
@@ -65,8 +67,10 @@ def parse_drafter(spec: str | Drafter) -> Drafter:
         return ChainDrafter(int(rest))
     if kind == "beam" and (m := re.fullmatch(r"(\d+)x(\d+)", rest)):
         return BeamTreeDrafter(int(m[1]), int(m[2]))
-    if kind == "dyspec" and (m := re.fullmatch(r"(\d+)(?::(\d+)(?::" + _NUM + ")?)?", rest)):
-        return DySpecDrafter(int(m[1]), int(m[2] or 10), value_temperature=float(m[3] or 0.6))
+    if kind in ("dyspec", "dyspec-paper") and (
+            m := re.fullmatch(r"(\d+)(?::(\d+)(?::" + _NUM + ")?)?", rest)):
+        return DySpecDrafter(int(m[1]), int(m[2] or 10), value_temperature=float(m[3] or 0.6),
+                             calibration=AcceptanceCalibration() if kind == "dyspec" else None)
     if kind == "dyspec-threshold" and (m := re.fullmatch(_NUM + r"(?::(\d+))?(?::(\d+))?", rest)):
         return DySpecDrafter(int(m[2] or 32), int(m[3] or 10), threshold=float(m[1]))
     if kind == "dynatree" and (m := re.fullmatch(r"(\d+)x(\d+):(\d+)(?::" + _NUM + ")?", rest)):
