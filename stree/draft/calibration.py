@@ -55,6 +55,7 @@ class AcceptanceCalibration:
     decay: float = 0.99
     tested: Tensor | None = field(default=None, repr=False)
     accepted: Tensor | None = field(default=None, repr=False)
+    _edge_tensor: tuple | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if list(self.edges) != sorted(self.edges) or not all(0.0 < e < 1.0 for e in self.edges):
@@ -86,8 +87,14 @@ class AcceptanceCalibration:
         rank = torch.arange(x.shape[-1], device=x.device).clamp(max=groups - 1)
         if not binned:
             return (groups + rank) * bins + torch.zeros_like(x, dtype=torch.long)
-        edges = torch.tensor(self.edges, device=x.device, dtype=x.dtype)
-        return rank * bins + torch.bucketize(x, edges, right=True)
+        return rank * bins + torch.bucketize(x, self._edges(x), right=True)
+
+    def _edges(self, x: Tensor) -> Tensor:
+        """The bin edges as a tensor like ``x`` (made once per device and dtype)."""
+        key = (x.device, x.dtype)
+        if self._edge_tensor is None or self._edge_tensor[0] != key:
+            self._edge_tensor = (key, torch.tensor(self.edges, device=x.device, dtype=x.dtype))
+        return self._edge_tensor[1]
 
     def __call__(self, x: Tensor, binned: bool) -> Tensor:
         """Calibrated acceptance ``h`` of estimates ``x (..., K)`` (same shape, in [0, 1])."""

@@ -195,7 +195,7 @@ class DynamicTreeDrafter(Drafter):
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None) -> Draft:
         mode = self.modes(sampling)[0]
-        tree, rounds = GrowingTree.start(roots, self.num_nodes), 0
+        tree, rounds, rho = GrowingTree.start(roots, self.num_nodes), 0, None
         while rounds < self.max_depth and tree.size < self.num_nodes:
             fresh = tree.fresh()
             if rounds and not self.wants_round(tree.a[:, :tree.size], tree.depth[:, :tree.size],
@@ -207,8 +207,9 @@ class DynamicTreeDrafter(Drafter):
             rounds += 1
             tree.add_candidates(logits, min(self.candidates, logits.shape[-1]), mode, sampling,
                                 generator, self.value_temperature, self.calibration)
-            rho = None if self.calibration is None else self.calibration.rank_rates(
-                tree.cand_p.shape[-1], roots.device, binned=mode == "deterministic")
+            if rho is None and self.calibration is not None:  # fixed until the next observe()
+                rho = self.calibration.rank_rates(tree.cand_p.shape[-1], roots.device,
+                                                  binned=mode == "deterministic")
             key, take = self.select(tree.slots(fresh, last=rounds == self.max_depth,
                                                ranked=mode == "deterministic", rho=rho))
             if not tree.append(key, take):
