@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "ar-tree", "unrolled"],
                    help="ar: the model's own autoregressive decoding; ar-tree: stree's 1-node tree path")
     g.add_argument("--tree", default=None,
-                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | dyspec:N | "
-                        "dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
+                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | dyspec:N[:D] | "
+                        "dyspec-paper:N | dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
                         "(default: fig4a; chain:4 for --method chain)")
     g.add_argument("--verifier", default=None, choices=["greedy", "mss", "naive", "sps", "asps"],
                    help="default: the lossless one for the sampling config and drafter")
