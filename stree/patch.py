@@ -145,7 +145,7 @@ class TreeDecodingMixin:
         base = torch.arange(b, device=nodes.device)[:, None] * pending.slots
         src = (tree.parents.gather(1, nodes) + 1 + base).flatten()
         logits = steps.level(self, tree.tokens.gather(1, nodes), cache.states(mamba=False),
-                             pending.layers, src, (nodes + 1 + base).flatten(), tables, "auto")
+                             pending.layers, src, (nodes + 1 + base).flatten(), tables)
         pending.tree = tree
         pending.forwarded_depth = tree.max_depth
         cache.pending = pending
@@ -172,7 +172,7 @@ def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
     return _stree_walk(model, tokens, run), acts
 
 
-def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict, impl: str):
+def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict):
     """Logits ``(b, w, vocab)`` of ``w`` level nodes per row (tokens ``(b, w)``), each run from
     the :class:`NodeStates` slot ``src (b * w,)`` of ``states`` (its parent's), its own state
     written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch."""
@@ -183,7 +183,8 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
         if idx not in tables["consts"]:
             return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
         ns = states[idx]
-        out, conv, ssm = mamba2.node_step(mixer, h.reshape(b * w, 1, -1), ns.conv.index_select(0, src),
+        out, conv, ssm = mamba2.node_step(mixer, h.reshape(b * w, 1, -1),
+                                          ns.conv.index_select(0, src),
                                           ns.ssm.index_select(0, src), tables["consts"][idx])
         ns.conv.index_copy_(0, dst, conv)
         ns.ssm.index_copy_(0, dst, ssm)
