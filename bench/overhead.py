@@ -67,8 +67,8 @@ def _scoped(fn, name_of):
 
 @contextmanager
 def layer_scopes():
-    """Wrap stree's per-layer entry points (tree forward, draft node step and commit of each mixer type) in
-    ``record_function`` scopes named after the layer type; undone on exit."""
+    """Wrap stree's per-layer entry points (tree forward, draft node step and commit of each mixer
+    type) in ``record_function`` scopes named after the layer type; undone on exit."""
     from stree import cache as cache_mod
     from stree.layers import attention, mamba2
 
@@ -80,7 +80,8 @@ def layer_scopes():
 
     swap(mamba2, "tree_forward", _scoped(mamba2.tree_forward, lambda m, *a, **k: type(m).__name__))
     # a draft level runs its Mamba2 layers by the recurrence, one node per row
-    swap(mamba2, "node_step", _scoped(mamba2.node_step, lambda m, *a, **k: type(m).__name__ + ".node_step"))
+    swap(mamba2, "node_step",
+         _scoped(mamba2.node_step, lambda m, *a, **k: type(m).__name__ + ".node_step"))
     swap(attention, "tree_forward", _scoped(
         attention.tree_forward, lambda a, *r, **k: type(getattr(a, "m", a)).__name__))
     for cls in _activation_classes(cache_mod):
@@ -93,7 +94,8 @@ def layer_scopes():
 
 
 def _activation_classes(cache_mod):
-    return [getattr(cache_mod, n) for n in ("MambaActivations", "AttentionActivations", "NodeStates")
+    names = ("MambaActivations", "AttentionActivations", "NodeStates")
+    return [getattr(cache_mod, n) for n in names
             if hasattr(getattr(cache_mod, n, None), "commit")]
 
 

@@ -65,7 +65,8 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return logits.softmax(-1)
 
 
-def sample(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
+def sample(logits: Tensor, sampling: SamplingConfig,
+           generator: torch.Generator | None = None) -> Tensor:
     """One draw per row from ``target_probs(logits, sampling)``: ``(..., v)`` -> ``(...)`` int64.
     At greedy sampling the argmax itself (no one-hot, no random draw)."""
     if sampling.is_greedy:
