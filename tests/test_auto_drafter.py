@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from stree.costmodel import ForwardCost, forward_cost
 from stree.draft import parse_drafter
-from stree.draft.auto import AcceptanceProfile, AutoDrafter, best_tree, expected_tau
+from stree.draft.auto import AcceptanceProfile, AutoDrafter, best_tree, expected_tau, level_widths
 from stree.generate import generate
 from stree.tree import TokenTree
 from tests.fakes import FakeLM, greedy_reference, target_probs_of_prefix
@@ -59,7 +59,57 @@ def test_eq7_step_time_and_tau_of_a_chain():
     auto = AutoDrafter(target_cost=ForwardCost(0.0, 2e-3, 1e-2), profile=profile([0.8]), **COSTS)
     tau, seconds = auto.predict("chain:4")
     assert tau == pytest.approx(1 + 0.8 + 0.8 ** 2 + 0.8 ** 3 + 0.8 ** 4, rel=1e-5)
-    assert seconds == pytest.approx(1e-2 + 5 * 2e-3 + sum(1e-4 + n * 1e-5 for n in (1, 2, 3, 4)))
+    # each of the 4 draft levels forwards one new node; the deepest node is never forwarded
+    assert seconds == pytest.approx(1e-2 + 5 * 2e-3 + 4 * (1e-4 + 1e-5))
+
+
+def test_level_widths_count_the_new_nodes_of_each_level():
+    assert level_widths([-1, 0, 0, 1, 2, 3, 4]) == [1, 2, 2]  # depth 3 is never forwarded
+    assert level_widths([-1, 0, 1, 2]) == [1, 1, 1]
+
+
+def test_measured_step_time_scales_predictions_then_replaces_them():
+    now = [0.0]
+    auto = AutoDrafter(("chain:2", "chain:6"), ForwardCost(0.0, 1e-3, 1e-2),
+                       profile=profile([0.9]), clock=lambda: now[0], min_runs=4, **COSTS)
+    model6 = auto.model("chain:6")[1]
+    auto._current = "chain:6"
+    for _ in range(3):  # three whole steps, each twice the modelled time
+        auto._time_step("chain:6", 2 * model6)
+    tau2, seconds2 = auto.predict("chain:2")
+    assert seconds2 == pytest.approx(2 * auto.model("chain:2")[1])  # the ratio carries over
+    for _ in range(5):  # then chain:2 measures its model's time and chain:6 10x its model's:
+        auto._time_step("chain:2", auto.model("chain:2")[1])  # their own times take over
+        auto._time_step("chain:6", 10 * model6)
+    assert auto.predict("chain:2")[1] == pytest.approx(auto.model("chain:2")[1])
+    assert auto.predict("chain:6")[1] > 5 * model6
+    assert auto.choose() == "chain:2"  # the long chain's tau no longer pays for its time
+
+
+
+def test_draft_times_the_wall_clock_between_consecutive_calls():
+    now = [0.0]
+    auto = AutoDrafter(("chain:2",), ForwardCost(0.0, 1e-3, 1e-2), profile=profile([0.9]),
+                       clock=lambda: now[0], **COSTS)
+
+    class Stub:  # stands in for the chosen chain:2: its shape and draft() are all auto reads
+        parents = (-1, 0, 1)
+
+        def draft(self, *args):
+            return "draft"
+
+    auto._drafters["chain:2"] = Stub()
+    for t in (1.0, 1.5, 2.25):  # steps of 0.5 s and 0.75 s; the first call starts the clock
+        now[0] = t
+        assert auto.draft(None, None, None, None) == "draft"
+    steps, seconds = auto._timed["chain:2"]
+    decay = auto.profile.decay
+    assert steps == pytest.approx(decay + 1) and seconds == pytest.approx(0.5 * decay + 0.75)
+    auto.prepare(None, None)  # a new generation: the gap before its first step is not timed
+    now[0] = 100.0
+    auto.draft(None, None, None, None)
+    assert auto._timed["chain:2"][0] == pytest.approx(decay + 1)
+
 
 
 def test_flat_verify_cost_picks_a_big_tree_steep_cost_a_chain():

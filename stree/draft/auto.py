@@ -15,13 +15,22 @@ predicted from a running acceptance profile:
   measured tau (decayed running mean) replaces the prediction.
 
 Candidates (default): chains ``chain:1..6``, the static presets and ``dyspec:8/16/32``. A switch
-needs a predicted gain of ``switch_margin`` (3%) to avoid flapping. Draft level costs follow
-today's level mechanism (each level forwards the tree so far: ``prefix`` nodes).
+needs a predicted gain of ``switch_margin`` (3%) to avoid flapping. Draft level costs follow the
+level mechanism: each level forwards only its new nodes (``level_widths``).
+
+The cost model times ``tree_forward`` alone; a step in the decoding loop also pays the commits,
+the verifier, the loop and CPU caches the other model evicted. So the drafter also times whole
+steps (the wall time between consecutive ``draft`` calls, ``clock``): the ratio of measured to
+predicted step time (decayed running mean, over all candidates) scales every prediction, and a
+candidate that has run ``min_runs`` steps uses its own measured step time, as it uses its own
+measured tau.
 """
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -112,12 +121,13 @@ def best_tree(budget: int, p: list[float]) -> list[int]:
     return [-1] + [where[nodes[i][0]] for i in order[1:]]
 
 
-def level_prefixes(parents) -> list[int]:
-    """Nodes each draft level forwards: the tree down to depth d, for d = 0 .. depth - 1."""
+def level_widths(parents) -> list[int]:
+    """Nodes each draft level forwards: those at depth d, for d = 0 .. depth - 1 (the deepest
+    layer is never forwarded)."""
     depth = [0] * len(parents)
     for i, par in enumerate(parents[1:], start=1):
         depth[i] = depth[par] + 1
-    return [sum(1 for x in depth if x <= d) for d in range(max(depth))]
+    return [depth.count(d) for d in range(max(depth))]
 
 
 @dataclass(eq=False)
@@ -125,7 +135,7 @@ class AutoDrafter(Drafter):
     """Picks among ``candidates`` (drafter specs) by predicted tokens per second.
 
     ``target_cost`` / ``draft_cost`` are measured by :meth:`prepare` unless given (tests inject
-    them); ``profile`` is the running acceptance profile.
+    them, and ``clock``); ``profile`` is the running acceptance profile.
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -135,9 +145,13 @@ class AutoDrafter(Drafter):
     mode: str | None = None
     switch_margin: float = 0.03
     min_runs: int = 8
+    clock: Callable[[], float] = time.perf_counter
     name: str = field(init=False, default="auto")
     _drafters: dict = field(init=False, repr=False)
     _measured: dict = field(init=False, repr=False)
+    _timed: dict = field(init=False, repr=False)
+    _scale: tuple[float, float] = field(init=False, default=(0.0, 0.0))  # decayed sums
+    _step_start: float | None = field(init=False, default=None)
     _current: str | None = field(init=False, default=None)
 
     def __post_init__(self):
@@ -146,7 +160,8 @@ class AutoDrafter(Drafter):
         if not self.candidates:
             raise ValueError("auto drafter needs at least one candidate")
         self._drafters = {spec: parse_drafter(spec) for spec in self.candidates}
-        self._measured = {}  # spec -> [steps, tokens]
+        self._measured = {}  # spec -> (steps, tokens)
+        self._timed = {}  # spec -> (steps, seconds), whole decoding steps
 
     # --------------------------------------------------------------------------------- shape
     @property
@@ -200,13 +215,28 @@ class AutoDrafter(Drafter):
 
     # ------------------------------------------------------------------------------ decision
     def prepare(self, target, draft) -> None:
+        self._step_start = None  # a new generation: the time since the last step is not a step
         if self.target_cost is None:
             self.target_cost = forward_cost(target)
         if self.draft_cost is None:
             self.draft_cost = forward_cost(draft)
 
     def predict(self, spec: str) -> tuple[float, float]:
-        """(predicted tau, predicted seconds per step) of a candidate."""
+        """(predicted tau, predicted seconds per step) of a candidate: measured values once it
+        has run ``min_runs`` steps, else the model's (step time scaled by the measured/modelled
+        ratio of the steps timed so far)."""
+        tau, seconds = self.model(spec)
+        steps, tokens = self._measured.get(spec, (0, 0))
+        if steps >= self.min_runs:
+            tau = tokens / steps
+        steps, total = self._timed.get(spec, (0, 0))
+        if steps >= self.min_runs:
+            return tau, total / steps
+        measured, modelled = self._scale
+        return tau, seconds * (measured / modelled if modelled > 0 else 1.0)
+
+    def model(self, spec: str) -> tuple[float, float]:
+        """(tau, seconds per step) of a candidate by the profile and the cost model alone."""
         if self.target_cost is None or self.draft_cost is None:
             raise ValueError("auto drafter has no cost model: call prepare(target, draft) or "
                              "pass target_cost and draft_cost")
@@ -214,13 +244,9 @@ class AutoDrafter(Drafter):
         parents = getattr(d, "parents", None)
         if parents is None:  # a dynamic budget: the best tree of its size under the profile
             parents = best_tree(d.num_nodes - 1, p)
-        tau = expected_tau(parents, p)
-        steps, tokens = self._measured.get(spec, (0, 0))
-        if steps >= self.min_runs:
-            tau = tokens / steps
         seconds = self.target_cost(len(parents)) + sum(
-            self.draft_cost(n) for n in level_prefixes(parents))
-        return tau, seconds
+            self.draft_cost(n) for n in level_widths(parents))
+        return expected_tau(parents, p), seconds
 
     def choose(self) -> str:
         """The candidate with the most predicted tokens per second (Eq. 7/8: t / tau), keeping
@@ -238,8 +264,20 @@ class AutoDrafter(Drafter):
     # ---------------------------------------------------------------------------- decoding
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None) -> Draft:
+        now = self.clock()
+        if self._step_start is not None and self._current is not None:
+            self._time_step(self._current, now - self._step_start)
+        self._step_start = now
         self._current = self.choose()
         return self.chosen.draft(model, cache, roots, sampling, generator)
+
+    def _time_step(self, spec: str, seconds: float) -> None:
+        """Record one whole step of ``spec`` (decayed like the acceptance profile)."""
+        decay = self.profile.decay
+        steps, total = self._timed.get(spec, (0, 0))
+        self._timed[spec] = (steps * decay + 1, total * decay + seconds)
+        measured, modelled = self._scale
+        self._scale = (measured * decay + seconds, modelled * decay + self.model(spec)[1])
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         self.profile.update(tree, path)
