@@ -36,9 +36,8 @@ from torch import Tensor
 
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
-from stree.verify.base import Verdict, validate
-from stree.verify.greedy import greedy_verdict
-from stree.verify.sps import SpSVerifier, _is_chain
+from stree.verify.base import Verdict
+from stree.verify.sps import SpSVerifier
 
 
 def asps_cells(p: Tensor, q: Tensor, tokens: Tensor) -> Tensor:
@@ -92,16 +91,8 @@ class ASpSVerifier(SpSVerifier):
 
     name = "asps"
 
-    def verify(self, draft: Draft, target_logits: Tensor, sampling: SamplingConfig,
-               generator: torch.Generator | None = None) -> Verdict:
-        """target_logits: (b, n, v); the tree must be a chain (node i's parent is i - 1)."""
-        self.check(draft.mode, sampling)
-        validate(draft, target_logits, need_q=not sampling.is_greedy)
-        if not _is_chain(draft.tree.parents):
-            raise ValueError("the 'asps' verifier needs a chain (every node at most one child); "
-                             "use 'mss' or 'naive' for trees")
-        if sampling.is_greedy:  # p is one-hot: every coupling reduces to greedy matching
-            return greedy_verdict(draft, target_logits)
+    def sampled(self, draft: Draft, target_logits: Tensor, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Verdict:
         b, n, v = target_logits.shape
         tokens = draft.tree.tokens.to(target_logits.device)
         q = draft.q.to(target_logits.device).float()

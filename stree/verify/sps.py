@@ -16,10 +16,9 @@ from stree.verify.greedy import greedy_verdict
 from stree.verify.mss import mss_rule
 
 
-def _is_chain(parents: Tensor) -> bool:
-    # parents[i] < i and at most one child per node force parents[i] == i - 1.
-    n = parents.shape[-1]
-    return bool((parents[..., 1:] == torch.arange(n - 1, device=parents.device)).all())
+def _is_chain(tree) -> bool:
+    # parents[i] < i and at most one child per node make a chain; max_children is host-side
+    return tree.max_children <= 1
 
 
 class SpSVerifier:
@@ -37,9 +36,14 @@ class SpSVerifier:
         """target_logits: (b, n, v); the tree must be a chain (node i's parent is i - 1)."""
         self.check(draft.mode, sampling)
         validate(draft, target_logits, need_q=not sampling.is_greedy)
-        if not _is_chain(draft.tree.parents):
-            raise ValueError("the 'sps' verifier needs a chain (every node at most one child); "
-                             "use 'mss' or 'naive' for trees")
-        if sampling.is_greedy:
+        if not _is_chain(draft.tree):
+            raise ValueError(f"the {self.name!r} verifier needs a chain (every node at most one "
+                             "child); use 'mss' or 'naive' for trees")
+        if sampling.is_greedy:  # p is one-hot: every rule reduces to greedy matching
             return greedy_verdict(draft, target_logits)
+        return self.sampled(draft, target_logits, sampling, generator)
+
+    def sampled(self, draft: Draft, target_logits: Tensor, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Verdict:
+        """The verdict at T > 0 on a checked chain."""
         return walk(draft, target_logits, lambda step: mss_rule(step, sampling, False, generator))
