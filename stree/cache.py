@@ -181,14 +181,13 @@ class NodeStates:
     """
     conv: torch.Tensor
     ssm: torch.Tensor
-    slots: int
 
     def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
-        # the committed state becomes the state after the path's last node (slot 0: empty path)
-        last = shared["last_slot"] + shared["rows"][:, 0] * self.slots
-        layer.conv_state.copy_(self.conv.index_select(0, last))
-        layer.ssm_state.copy_(self.ssm.index_select(0, last))
+        # the committed state becomes the state after the path's last node (flat index, built
+        # once per commit by TreeCache.commit; slot 0 for an empty path)
+        layer.conv_state.copy_(self.conv.index_select(0, shared["last_slot"]))
+        layer.ssm_state.copy_(self.ssm.index_select(0, shared["last_slot"]))
 
 
 @dataclass
@@ -301,7 +300,9 @@ class TreeCache:
         shared = {"rows": torch.arange(self.batch_size, device=path.device)[:, None]}
         if isinstance(self.pending, LevelPending):
             last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
-            shared["last_slot"] = path.gather(1, last[:, None])[:, 0] + 1  # -1 (empty) -> slot 0
+            # each row's last path node's flat NodeStates slot (-1, an empty path: slot 0)
+            shared["last_slot"] = (path.gather(1, last[:, None])[:, 0] + 1
+                                   + shared["rows"][:, 0] * self.pending.slots)
         states = self.states()
         for idx, acts in self.pending.layers.items():
             acts.commit(states[idx], path, self.lengths, shared)

@@ -246,7 +246,7 @@ def _level_states(model, cache: TreeCache, slots: int) -> dict:
             continue
         state = committed[idx]
         states[idx] = NodeStates(_repeat_rows(state.conv_state, slots),
-                                 _repeat_rows(state.ssm_state, slots), slots)
+                                 _repeat_rows(state.ssm_state, slots))
     return states
 
 
