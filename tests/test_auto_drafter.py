@@ -189,3 +189,13 @@ def test_generate_auto_is_lossless(tmp_path, monkeypatch):
     counts = torch.bincount((toks[:, 0] * v + toks[:, 1]) * v + toks[:, 2], minlength=v ** 3)
     p = target_probs_of_prefix(target, prompt, 3).reshape(-1).double()
     assert chisquare(counts.double(), p / p.sum() * rows).pvalue > 1e-3
+
+
+def test_compile_refuses_auto_with_dynamic_candidates():
+    from stree.generate import resolve
+    from stree.sampling import SamplingConfig
+
+    with pytest.raises(ValueError, match="fixed tree template"):
+        resolve("tree", "auto", None, SamplingConfig(), compile=True)  # dyspec candidates
+    static_only = AutoDrafter(("chain:2", "static:fig4a"))
+    assert static_only.layered

@@ -186,7 +186,8 @@ class AutoDrafter(Drafter):
 
     @property
     def layered(self) -> bool:
-        return self.chosen.layered
+        # compile=True needs every draft to come from a fixed template, whichever is chosen
+        return all(d.layered for d in self._drafters.values())
 
     @property
     def max_leaves(self) -> int:
