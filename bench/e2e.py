@@ -111,6 +111,7 @@ class BenchConfig:
     dtype: str
     seed: int
     out: Path
+    no_prepack: bool = False
 
 
 # ---- setup -------------------------------------------------------------------------------
@@ -135,6 +136,9 @@ def parse_args(argv=None) -> BenchConfig:
     ap.add_argument("--compile", action="store_true",
                     help="also run every method stree can compile (tree, chain, ar-tree with a static "
                          "drafter) compiled, as a row 'METHOD+compile' (or name those rows yourself)")
+    ap.add_argument("--no-prepack", action="store_true",
+                    help="CPU fp32: plain linear layers instead of prepacked weights for every row "
+                         "(stree.prepack_linears; on by default, for the AR baseline as well)")
     a = ap.parse_args(argv)
     target = a.target or (a.models and os.path.join(a.models, "target"))
     draft = a.draft or (a.models and os.path.join(a.models, "draft"))
@@ -151,7 +155,8 @@ def parse_args(argv=None) -> BenchConfig:
     dtype = a.dtype or ("bf16" if torch.device(a.device).type == "cuda" else "fp32")
     return BenchConfig(target=target, draft=draft, prompts=a.prompts, limit=a.limit,
                        max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, methods=methods,
-                       device=a.device, dtype=dtype, seed=a.seed, out=a.out)
+                       device=a.device, dtype=dtype, seed=a.seed, out=a.out,
+                       no_prepack=a.no_prepack)
 
 
 def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
@@ -328,15 +333,16 @@ def main(argv=None) -> int:
     device = torch.device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     tokenizer = load_tokenizer(cfg.target)
-    target = load_model(cfg.target, device, dtype)
+    prepack = not cfg.no_prepack
+    target = load_model(cfg.target, device, dtype, prepack=prepack)
     needs_draft = any(m.drafter for m in cfg.methods)
-    draft = load_model(cfg.draft, device, dtype) if needs_draft else None
+    draft = load_model(cfg.draft, device, dtype, prepack=prepack) if needs_draft else None
     eos = default_eos(cfg.target, tokenizer)
     prompts = encode_prompts(cfg, tokenizer, device)
     meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
                 target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
                 prompt_set=cfg.prompts, limit=cfg.limit, n_prompts=len(prompts),
-                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos)
+                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos, prepack=prepack)
     print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} | "
           f"{meta['torch_threads']} torch threads | {len(prompts)} prompts of {cfg.prompts} | "
           f"max {cfg.max_new_tokens} new tokens")

@@ -8,14 +8,16 @@
     pool = model.allocate_state_pool(num_slots, max_seqlen)   # serving engines: rows in pool slots
     cache = pool.cache(slots)                        # (b,) slots; row r's state is slot slots[r]
     out = stree.generate(target, draft, input_ids, max_new_tokens=128, temperature=0.0)
+    stree.prepack_linears(model)                     # CPU fp32: faster small-batch linears
 """
 from stree.cache import StatePool, TreeCache
 from stree.generate import GenerationOutput, generate
+from stree.layers.linear import prepack_linears
 from stree.patch import patch
 from stree.sampling import SamplingConfig
 from stree.stats import GenerationStats
 from stree.tree import TokenTree, parents_from_widths
 
 __all__ = ["patch", "generate", "GenerationOutput", "GenerationStats", "TokenTree", "TreeCache",
-           "StatePool", "SamplingConfig", "parents_from_widths"]
+           "StatePool", "SamplingConfig", "parents_from_widths", "prepack_linears"]
 __version__ = "0.1.0"

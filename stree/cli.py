@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="run the verify step and draft levels compiled (torch.compile; static trees, "
                         "methods tree, chain, ar-tree)")
+    g.add_argument("--no-prepack", action="store_true",
+                   help="CPU fp32: keep PyTorch's plain linear layers instead of prepacked weights "
+                        "(stree.prepack_linears; both the model's own decoding and stree use them)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(g)
     from stree import demo
@@ -135,8 +138,9 @@ def run_generate(args) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     ids = encode_prompt(tokenizer, text, model_config(args.target).get("bos_token_id"))
-    target = load_role("target", args.target, device, dtype, args.model_type)
-    draft = None if no_draft else load_role("draft", args.draft, device, dtype, args.model_type)
+    target = load_role("target", args.target, device, dtype, args.model_type, not args.no_prepack)
+    draft = None if no_draft else load_role("draft", args.draft, device, dtype, args.model_type,
+                                            not args.no_prepack)
     eos = args.eos_token_id if args.eos_token_id is not None else default_eos(args.target, tokenizer)
     generator = None
     if args.seed is not None:
@@ -175,10 +179,10 @@ def encode_prompt(tokenizer, text: str, bos_token_id: int | None) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ loading
-def load_role(role: str, directory: str, device, dtype, model_type: str = "auto"):
+def load_role(role: str, directory: str, device, dtype, model_type: str = "auto", prepack: bool = True):
     """:func:`load_model`, with any failure reported as ``"<role> model <dir>: <why>"``."""
     try:
-        return load_model(directory, device, dtype, model_type)
+        return load_model(directory, device, dtype, model_type, prepack)
     except Exception as err:
         raise ModelLoadError(f"{role} model {directory}: {describe_error(err)}") from err
 
@@ -187,8 +191,19 @@ class ModelLoadError(ValueError):
     """A model directory could not be turned into a patched model."""
 
 
-def load_model(directory: str, device, dtype, model_type: str = "auto"):
-    """A patched model from a local checkpoint directory (see the module docstring)."""
+def load_model(directory: str, device, dtype, model_type: str = "auto", prepack: bool = True):
+    """A patched model from a local checkpoint directory (see the module docstring); on the CPU in
+    fp32 its linear layers get prepacked weights (``stree.prepack_linears``) unless ``prepack`` is
+    False: the model's own decoding and stree's run the same kernels."""
+    model = _load_patched(directory, device, dtype, model_type)
+    if prepack:
+        from stree.layers.linear import prepack_linears
+
+        prepack_linears(model)
+    return model
+
+
+def _load_patched(directory: str, device, dtype, model_type: str):
     import stree
 
     if not os.path.isdir(directory):

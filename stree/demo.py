@@ -1,20 +1,27 @@
 """``stree demo``: the main job on the small target/draft pair the project ships (``models/``).
 
-Generates from a real prompt (a HumanEval problem) with STree, prints the text, then decodes the
-same prompt with the target's own autoregressive decoding (its own prefill and ``step``, see
-``stree.native``: the baseline), vanilla chain speculative decoding (4 drafted tokens) and STree
-at temperature 0, prints tau, tokens/s and the speed-up over the model's own decoding side by
-side, and checks that every run's text is identical (exactness: all must equal the target's greedy
-output).
+Generates from real prompts (the first ``--prompts`` HumanEval problems, or ``--prompt``) with the
+target's own autoregressive decoding (its own prefill and ``step``, see ``stree.native``: the
+baseline), vanilla chain speculative decoding (4 drafted tokens) and STree at temperature 0,
+prints the first prompt's STree text, then tau, tokens/s and the speed-up over the model's own
+decoding summed over the prompts, and checks that every run's text is identical to the other
+methods' on the same prompt (exactness: all must equal the target's greedy output).
+
+Several prompts, not one: how much a tree adds over a chain depends on the text (on HumanEval/0,
+whose continuation is repetitive, the second branch of a small tree is never taken and the tree's
+tau equals the chain's; on the next problems it is 5-25% higher), so one prompt would show the
+prompt more than the method.
 
 The tree is chosen for the device, as STree's cost analysis (Eq. 7/8: time per token = t(N) / tau)
 says: on a GPU a verify pass costs about the same for 1 or 63 nodes, so the bushier Fig. 4a tree
-(13 nodes) pays; on a 2-core CPU the target's verify cost grows with the node count (the matmuls
-become compute-bound), so the narrowest branching tree of the chain's depth (the root's two best
-children, each continued as a chain: 9 nodes) pays. Both have the chain's depth of 4.
+(13 nodes) pays; on a 2-core CPU every extra node still costs a little in the target and more in
+the draft, so the narrowest branching tree of the chain's depth (the root's two best children,
+each continued as a chain: 9 nodes), whose draft and verify cost what the chain's do, pays. Both
+have the chain's depth of 4.
 
-Each method runs ``--repeats`` times, the methods interleaved (AR, chain, tree, AR, ...), and the
-table reports the median run, so a slow moment of a shared machine does not land on one method.
+Each method runs ``--repeats`` times over the prompts, the methods interleaved per prompt (AR,
+chain, tree on prompt 1, then prompt 2, ...), and the table reports the median repeat, so a slow
+moment of a shared machine does not land on one method.
 """
 from __future__ import annotations
 
@@ -41,24 +48,28 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="stree demo", description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=DEFAULT_MODELS,
                         help="directory holding target/ and draft/ (default: the shipped pair)")
-    parser.add_argument("--prompt", default=None, help="prompt text (default: HumanEval/0)")
+    parser.add_argument("--prompt", default=None, help="one prompt text (default: HumanEval problems)")
+    parser.add_argument("--prompts", type=int, default=5,
+                        help="how many HumanEval problems, from the first (default 5; ignored with --prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs per method, interleaved; the median is reported (default 3)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs per method over all prompts, interleaved; the median is "
+                             "reported (default 2)")
     from stree.cli import add_debug_flag
 
     add_debug_flag(parser)
     return parser
 
 
-def default_prompt() -> str:
+def default_prompts(n: int) -> list[str]:
+    """The first ``n`` HumanEval problems (a fixed code prompt where the data set is missing)."""
     try:
         from stree.prompts import load_prompts
 
-        return load_prompts("humaneval", limit=1)[0]
+        return load_prompts("humaneval", limit=n)
     except (ImportError, FileNotFoundError):
-        return FALLBACK_PROMPT
+        return [FALLBACK_PROMPT]
 
 
 def run(args) -> int:
@@ -75,48 +86,60 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    prompt = args.prompt if args.prompt is not None else default_prompt()
-    if not prompt:
+    if args.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
+    prompts = [args.prompt] if args.prompt is not None else default_prompts(args.prompts)
+    if not all(prompts):
         raise ValueError("the prompt is empty (--prompt): generation needs at least one prompt token")
     torch.manual_seed(0)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = load_tokenizer(target_dir)
     # the shipped models saw <|endoftext|> (= bos) before every training file
-    ids = torch.tensor([encode_prompt(tokenizer, prompt, model_config(target_dir).get("bos_token_id"))],
-                       device=device)
+    bos = model_config(target_dir).get("bos_token_id")
+    ids = [torch.tensor([encode_prompt(tokenizer, p, bos)], device=device) for p in prompts]
     target = load_role("target", target_dir, device, dtype)
     draft = load_role("draft", draft_dir, device, dtype)
     eos = default_eos(target_dir, tokenizer)
     print(f"target: {_describe(target)}\ndraft:  {_describe(draft)}\n")
-    print("=" * 30 + " prompt " + "=" * 30 + f"\n{prompt}")
+    print("=" * 30 + " prompt " + "=" * 30 + f"\n{prompts[0]}")
 
     rows_of = methods(device)
     # warm every method up once so no timed run pays for lazy initialisation
     for _, method, drafter in rows_of:
-        generate(target, draft, ids, 8, method=method, drafter=drafter, eos_token_id=eos)
+        generate(target, draft, ids[0], 8, method=method, drafter=drafter, eos_token_id=eos)
     runs: dict[str, list] = {name: [] for name, _, _ in rows_of}
-    texts = set()  # every run's text: one element iff all are identical
+    texts = [set() for _ in ids]  # every run's text per prompt: one element iff all are identical
     for _ in range(args.repeats):
-        for name, method, drafter in rows_of:
-            out = generate(target, draft, ids, args.max_new_tokens, method=method, drafter=drafter,
-                           eos_token_id=eos)
-            text = tokenizer.decode(out.sequences[0, ids.shape[1]:out.lengths[0]].tolist())
-            texts.add(text)
-            runs[name].append(out.stats)
+        totals = {name: None for name, _, _ in rows_of}
+        for i, prompt_ids in enumerate(ids):
+            for name, method, drafter in rows_of:
+                out = generate(target, draft, prompt_ids, args.max_new_tokens, method=method,
+                               drafter=drafter, eos_token_id=eos)
+                text = tokenizer.decode(out.sequences[0, prompt_ids.shape[1]:out.lengths[0]].tolist())
+                texts[i].add(text)
+                if i == 0 and method == "tree":
+                    first_text = text
+                if totals[name] is None:
+                    totals[name] = out.stats
+                else:
+                    totals[name].merge(out.stats)
+        for name, st in totals.items():
+            runs[name].append(st)
     rows = [(name, sorted(st, key=lambda s: s.tokens_per_s)[len(st) // 2]) for name, st in runs.items()]
-    print("=" * 24 + " STree continuation " + "=" * 24 + f"\n{text}\n" + "=" * 68)
+    print("=" * 24 + " STree continuation " + "=" * 24 + f"\n{first_text}\n" + "=" * 68)
 
-    print(f"\ntemperature 0, {args.max_new_tokens} new tokens at most, device {device}, "
-          f"{torch.get_num_threads()} torch threads; median of {args.repeats} interleaved runs")
+    print(f"\ntemperature 0, {len(ids)} prompt(s), {args.max_new_tokens} new tokens at most each, "
+          f"device {device}, {torch.get_num_threads()} torch threads; median of {args.repeats} "
+          "interleaved runs")
     print(f"{'method':<30}{'tokens':>8}{'tau':>8}{'tok/s':>10}{'vs AR':>8}"
           f"{'draft s':>9}{'verify s':>10}{'replay s':>10}")
     base = rows[0][1].tokens_per_s
     for name, s in rows:
         print(f"{name:<30}{s.new_tokens:>8}{s.tau:>8.2f}{s.tokens_per_s:>10.1f}"
               f"{s.tokens_per_s / base:>7.2f}x{s.draft_s:>9.2f}{s.verify_s:>10.2f}{s.replay_s:>10.2f}")
-    same = len(texts) == 1
-    print("\nall texts identical (lossless at temperature 0):", "YES" if same else "NO")
+    same = all(len(t) == 1 for t in texts)
+    print("\nall texts identical per prompt (lossless at temperature 0):", "YES" if same else "NO")
     return 0 if same else 1
 
 

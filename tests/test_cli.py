@@ -144,7 +144,7 @@ def test_unpatchable_model(capsys, tmp_path):
 
 def test_vocabulary_mismatch(capsys, tmp_path, monkeypatch):
     models = {"T": FakeLM(vocab_size=23), "D": FakeLM(vocab_size=25)}
-    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind: models[os.path.basename(d)])
+    monkeypatch.setattr(cli, "load_model", lambda d, *_: models[os.path.basename(d)])
     for name in models:
         (tmp_path / name).mkdir()
     assert_error(capsys, gen("--tokenizer", TARGET, target=str(tmp_path / "T"), draft=str(tmp_path / "D")),
@@ -200,7 +200,7 @@ def test_cli_streams_text_and_prints_stats(tmp_path, monkeypatch, capsys, progre
     target, draft = FakeLM(vocab_size=23), FakeLM(vocab_size=23, noise=1.5)
     tok = _word_tokenizer(tmp_path, 23)
     models = {"T": target, "D": draft}
-    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind: models[os.path.basename(d)])
+    monkeypatch.setattr(cli, "load_model", lambda d, *_: models[os.path.basename(d)])
     for name in models:
         (tmp_path / name).mkdir()
     args = ["generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
@@ -216,7 +216,7 @@ def test_cli_streams_text_and_prints_stats(tmp_path, monkeypatch, capsys, progre
 def test_cli_prepends_bos_and_stops_at_any_of_several_ids(tmp_path, monkeypatch, capsys, method):
     target, v = FakeLM(vocab_size=23), 23
     tok = _word_tokenizer(tmp_path, v)
-    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind: target)
+    monkeypatch.setattr(cli, "load_model", lambda d, *_: target)
     for name in ("T", "D"):
         (tmp_path / name).mkdir()
     (tmp_path / "T" / "config.json").write_text(json.dumps({"bos_token_id": 5}))
@@ -294,7 +294,7 @@ def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
     generation = sys.modules["stree.generate"]  # the module (stree.generate is the function)
     target = FakeLM(vocab_size=23)
     _word_tokenizer(tmp_path, 23)
-    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind: target)
+    monkeypatch.setattr(cli, "load_model", lambda d, *_: target)
     seen = {}
     real = generation.generate
 
@@ -310,3 +310,17 @@ def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
                      "--tree", "static:2,2", "--no-progress", "--compile")
     assert rc == 0, err
     assert seen["compile"] is True
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-prepack"]])
+def test_prepack_is_the_default_and_no_prepack_reaches_the_loader(tmp_path, monkeypatch, capsys, flag):
+    target, seen = FakeLM(vocab_size=23), []
+    _word_tokenizer(tmp_path, 23)
+    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind, prepack: seen.append(prepack) or target)
+    for name in ("T", "D"):
+        (tmp_path / name).mkdir()
+    rc, _, err = run(capsys, "generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
+                     "--prompt", "w1 w2", "--max-new-tokens", "5", "--tokenizer", str(tmp_path),
+                     "--no-progress", *flag)
+    assert rc == 0, err
+    assert seen == [not flag, not flag]  # target and draft

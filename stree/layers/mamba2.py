@@ -19,6 +19,7 @@ from stree.cache import MambaActivations, MambaLayerCache
 from stree.kernels import tree_conv, tree_scan
 from stree.kernels._common import process_dt
 from stree.kernels.chunk_scan import chunk_scan
+from stree.layers.linear import linear
 from stree.layers.norm import gated_rms_norm
 
 
@@ -142,7 +143,7 @@ def tree_forward(m, u, state: MambaLayerCache, tables: dict, impl: str = "auto",
     k = constants(m) if k is None else k
     parts = k["parts"]
     fold = k["in_bias"] is not None  # dt_bias added by the projection
-    proj = F.linear(u, m.in_proj.weight, k["in_bias"]) if fold else m.in_proj(u)
+    proj = linear(m.in_proj, u, k["in_bias"]) if fold else m.in_proj(u)
     z, xbc, dt, mlp_in = parts.split(proj)
     conv_out = tree_conv(xbc, state.conv_state, k["conv_weight"], k["conv_bias"],
                          tables["window"], activation="silu", impl=impl,
@@ -197,7 +198,7 @@ def node_step(m, u, conv, ssm, k: dict | None = None):
     k = constants(m) if k is None else k
     parts = k["parts"]
     fold = k["in_bias"] is not None  # dt_bias added by the projection
-    proj = F.linear(u, m.in_proj.weight, k["in_bias"]) if fold else m.in_proj(u)
+    proj = linear(m.in_proj, u, k["in_bias"]) if fold else m.in_proj(u)
     z, xbc, dt, mlp_in = parts.split(proj)
     new_conv = torch.cat([conv[:, :, 1:], _to(xbc.transpose(1, 2), conv.dtype)], dim=2)
     conv_out = (_to(new_conv, F32) * _to(k["conv_weight"], F32)).sum(-1)  # (N, c)

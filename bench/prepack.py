@@ -1,0 +1,136 @@
+"""What prepacked linear weights (``stree.prepack_linears``) change on the CPU, side by side.
+
+1. Per weight shape of the pair, the time of one linear call with ``rows`` rows (1 = a decoding
+   step, 5 = a chain verify, 9/13 = small trees) through PyTorch's ``F.linear`` and through the
+   packed kernel (best of 5 repeats of 200 calls).
+2. End to end: the pair loaded twice, plain and prepacked; for every prompt the methods of both
+   variants run interleaved (plain AR, plain chain, plain tree, packed AR, ...), so the variants
+   share the machine's slow and fast moments. Speed-ups are against the same variant's AR row and
+   against plain AR.
+
+    python bench/prepack.py --models models/stree-tiny --limit 5 --max-new-tokens 128
+
+Rows go to ``bench/results/prepack_{device}_{date}.{csv,json}`` (device, commit, date in each).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
+
+METHODS = (("ar", "ar", None), ("chain:4", "chain", "chain:4"), ("tree:static:2,2,2,2", "tree", "static:2,2,2,2"))
+
+
+def _best_us(fn, calls: int = 200, repeats: int = 5) -> float:
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def linear_rows(models) -> list[dict]:
+    shapes = sorted({tuple(m.weight.shape) for model in models for m in model.modules()
+                     if isinstance(m, torch.nn.Linear)})
+    rows = []
+    for out_f, in_f in shapes:
+        w = torch.randn(out_f, in_f)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        for n in (1, 2, 5, 9, 13):
+            x = torch.randn(n, in_f)
+            rows.append(dict(kind="linear", shape=f"{out_f}x{in_f}", rows=n,
+                             f_linear_us=_best_us(lambda: F.linear(x, w)),
+                             packed_us=_best_us(lambda: torch.ops.mkldnn._linear_pointwise(
+                                 x, packed, None, "none", [], ""))))
+    return rows
+
+
+def e2e_rows(args) -> list[dict]:
+    from stree.cli import default_eos, encode_prompt, load_model, load_tokenizer, model_config
+    from stree.generate import generate
+    from stree.prompts import load_prompts
+
+    target_dir, draft_dir = (os.path.join(args.models, d) for d in ("target", "draft"))
+    cpu = torch.device("cpu")
+    pairs = {v: (load_model(target_dir, cpu, torch.float32, prepack=v == "prepacked"),
+                 load_model(draft_dir, cpu, torch.float32, prepack=v == "prepacked"))
+             for v in ("plain", "prepacked")}
+    tokenizer = load_tokenizer(target_dir)
+    bos = model_config(target_dir).get("bos_token_id")
+    prompts = [torch.tensor([encode_prompt(tokenizer, p, bos)]) for p in load_prompts(args.prompts, limit=args.limit)]
+    eos = default_eos(target_dir, tokenizer)
+    totals, texts = {}, {}
+    for v, (t, d) in pairs.items():  # warm-up
+        for _, method, drafter in METHODS:
+            generate(t, d, prompts[0], 8, method=method, drafter=drafter, eos_token_id=eos)
+    for i, ids in enumerate(prompts):
+        for v, (t, d) in pairs.items():
+            for label, method, drafter in METHODS:
+                out = generate(t, d, ids, args.max_new_tokens, method=method, drafter=drafter,
+                               eos_token_id=eos)
+                texts.setdefault(i, set()).add(tuple(out.sequences[0, :out.lengths[0]].tolist()))
+                if (v, label) in totals:
+                    totals[v, label].merge(out.stats)
+                else:
+                    totals[v, label] = out.stats
+    plain_ar = totals["plain", "ar"].tokens_per_s
+    rows = []
+    for (v, label), s in totals.items():
+        rows.append(dict(kind="e2e", variant=v, method=label, prompts=len(prompts), tau=s.tau,
+                         tokens_per_s=s.tokens_per_s,
+                         vs_own_ar=s.tokens_per_s / totals[v, "ar"].tokens_per_s,
+                         vs_plain_ar=s.tokens_per_s / plain_ar,
+                         draft_ms_per_step=1e3 * s.draft_s / max(s.target_calls, 1),
+                         verify_ms_per_step=1e3 * s.verify_s / max(s.target_calls, 1),
+                         identical_texts=all(len(x) == 1 for x in texts.values())))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=str(Path(__file__).resolve().parents[1] / "models" / "stree-tiny"))
+    ap.add_argument("--prompts", default="humaneval")
+    ap.add_argument("--limit", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    from stree.layers.linear import prepack_available
+
+    if not prepack_available():
+        print("this torch build has no oneDNN packed linear: nothing to compare", file=sys.stderr)
+        return 1
+    meta = dict(metadata("cpu"), torch_threads=torch.get_num_threads())
+    from stree.cli import load_model
+
+    models = [load_model(os.path.join(args.models, d), torch.device("cpu"), torch.float32, prepack=False)
+              for d in ("target", "draft")]
+    rows = [dict(meta, **r) for r in linear_rows(models) + e2e_rows(args)]
+    for r in rows:
+        if r["kind"] == "linear":
+            print(f"linear {r['shape']:>10} rows {r['rows']:>2}: F.linear {r['f_linear_us']:7.1f} us, "
+                  f"packed {r['packed_us']:7.1f} us")
+        else:
+            print(f"{r['variant']:>9} {r['method']:<22} tau {r['tau']:.2f} {r['tokens_per_s']:7.1f} tok/s "
+                  f"{r['vs_own_ar']:.2f}x own AR {r['vs_plain_ar']:.2f}x plain AR "
+                  f"draft {r['draft_ms_per_step']:.2f} verify {r['verify_ms_per_step']:.2f} ms/step "
+                  f"identical {r['identical_texts']}")
+    paths = write_rows(rows, result_stem(args.out, "prepack", meta))
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
