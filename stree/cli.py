@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | dyspec:N[:D] | "
                         "dyspec-paper:N | dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
                         "(default: fig4a; chain:4 for --method chain)")
-    g.add_argument("--verifier", default=None, choices=["greedy", "mss", "naive", "sps", "asps"],
-                   help="default: the lossless one for the sampling config and drafter")
+    g.add_argument("--verifier", default=None,
+                   choices=["greedy", "mss", "naive", "sps", "asps", "mss+asps"],
+                   help="default: the lossless one for the sampling config and drafter "
+                        "(mss+asps: asps for sampled chains, mss for trees, per draft)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -71,8 +71,9 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         eos_token_id: a row stops after emitting it (or any of a list).
         drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
             ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method.
-        verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | a verifier object; None picks the
-            lossless default for the sampling config and draft mode.
+        verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | "mss+asps" | a verifier object;
+            None picks the lossless default for the sampling config and draft mode (``mss+asps``
+            for ``drafter="auto"`` at T > 0: ASpS on its chains, MSS on its trees).
         method: "tree" | "chain" | "ar" | "ar-tree" | "unrolled" (see the module docstring).
         generator: torch.Generator for all sampling (drafts and verification).
         streamer: object with ``put(tokens)`` / ``end()`` (mamba_ssm / Hugging Face style): gets the
@@ -156,6 +157,8 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
     if verifier is None:
         mode = modes[0]
         verifier = default_verifier(sampling, mode)
+        if verifier.name == "mss" and drafter.mixes_chains:  # ASpS for its chains
+            verifier = get_verifier("mss+asps")
     else:
         verifier = get_verifier(verifier)
         ranked = sorted(modes, key=lambda m: m != "deterministic")

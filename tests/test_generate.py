@@ -241,6 +241,10 @@ def test_resolved_pairs():
     assert (d.mode, v.name) == ("deterministic", "greedy")
     d, v = resolve("chain", None, None, hot)
     assert (d.mode, v.name) == ("chain", "sps")
+    d, v = resolve("tree", "auto", None, hot)  # chains among its candidates: asps for those
+    assert (d.mode, v.name) == ("without_replacement", "mss+asps")
+    assert resolve("tree", "auto", None, SamplingConfig())[1].name == "greedy"
+    assert resolve("tree", "dyspec:8", None, hot)[1].name == "mss"  # no chain candidates
 
 
 # ------------------------------------------------------------------------ sampled distribution

@@ -157,6 +157,8 @@ LOSSLESS = [
     ("sps", "chain", (1, 1), SamplingConfig(0.5, top_k=3)),
     ("asps", "chain", (1, 1), SamplingConfig(1.0)),
     ("asps", "chain", (1, 1), SamplingConfig(0.7, top_p=0.8)),
+    ("mss+asps", "chain", (1, 1), SamplingConfig(1.0)),               # runs asps
+    ("mss+asps", "without_replacement", (3, 2), SamplingConfig(1.0)),  # runs mss
 ]
 
 
@@ -361,3 +363,16 @@ def test_near_zero_temperature_sampling_path_matches_greedy(name, mode):
              sampling=SamplingConfig(1e-3), trials=2000)
     assert torch.equal(out["other"].path, out["greedy"].path)
     assert torch.equal(out["other"].next_token, out["greedy"].next_token)
+
+
+@pytest.mark.parametrize("mode,widths,rule", [("chain", (1, 1), "asps"), ("iid", (1, 1), "mss"),
+                                              ("without_replacement", (3, 2), "mss")])
+def test_mss_asps_dispatches_on_the_draft_mode(mode, widths, rule):
+    """mss+asps gives exactly the verdicts of asps on chain-mode drafts and of mss on every other
+    draft (a chain-shaped draft of another mode included), draw for draw."""
+    m, sampling = make_models(seed=3, peaked_q=True), SamplingConfig(1.0)
+    both = simulate(m, widths, mode, run_verifier("mss+asps", sampling), seed=9, sampling=sampling,
+                    trials=4000)
+    alone = simulate(m, widths, mode, run_verifier(rule, sampling), seed=9, sampling=sampling,
+                     trials=4000)
+    assert torch.equal(both, alone)

@@ -194,6 +194,10 @@ class AutoDrafter(Drafter):
         return max(d.max_leaves for d in self._drafters.values())
 
     @property
+    def mixes_chains(self) -> bool:
+        return any("chain" in d.modes(SamplingConfig(1.0)) for d in self._drafters.values())
+
+    @property
     def uses_draft_model(self) -> bool:
         return True
 

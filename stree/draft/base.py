@@ -72,6 +72,12 @@ class Drafter(ABC):
         ``compile=True`` can compile); dynamic drafters build a new shape per step."""
         return True
 
+    @property
+    def mixes_chains(self) -> bool:
+        """Whether some of its drafts are fixed-length sampled chains (mode ``"chain"``) and others
+        trees, chosen before each draft: its default verifier at T > 0 is then ``mss+asps``."""
+        return False
+
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         """Modes this drafter can run in, best first for ``sampling``; overridden by drafters
         whose children may be sampled."""

@@ -1,5 +1,7 @@
-"""Verifiers for speculative tree decoding: greedy, mss (SpecInfer / DySpec), naive, sps, asps."""
+"""Verifiers for speculative tree decoding: greedy, mss (SpecInfer / DySpec), naive, sps, asps,
+mss+asps (per draft: asps for sampled chains, mss otherwise)."""
 from stree.verify.asps import ASpSVerifier
+from stree.verify.chain_aware import ChainAwareVerifier
 from stree.verify.base import Verdict, Verifier, default_verifier, get_verifier
 from stree.verify.greedy import GreedyVerifier
 from stree.verify.mss import MSSVerifier
@@ -8,5 +10,5 @@ from stree.verify.sps import SpSVerifier
 
 __all__ = [
     "Verdict", "Verifier", "default_verifier", "get_verifier", "GreedyVerifier", "MSSVerifier",
-    "NaiveVerifier", "SpSVerifier", "ASpSVerifier",
+    "NaiveVerifier", "SpSVerifier", "ASpSVerifier", "ChainAwareVerifier",
 ]

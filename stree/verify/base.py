@@ -159,15 +159,16 @@ def first_match(step: NodeStep, token: Tensor) -> Tensor:
 
 
 def get_verifier(name_or_obj) -> Verifier:
-    """A verifier by name ("greedy", "mss", "naive", "sps", "asps"); an object with verify/check
-    as is."""
+    """A verifier by name ("greedy", "mss", "naive", "sps", "asps", "mss+asps"); an object with
+    verify/check as is."""
     from stree.verify.asps import ASpSVerifier
+    from stree.verify.chain_aware import ChainAwareVerifier
     from stree.verify.greedy import GreedyVerifier
     from stree.verify.mss import MSSVerifier
     from stree.verify.naive import NaiveVerifier
     from stree.verify.sps import SpSVerifier
 
-    classes = (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier, ASpSVerifier)
+    classes = (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier, ASpSVerifier, ChainAwareVerifier)
     registry = {cls.name: cls for cls in classes}
     if isinstance(name_or_obj, str):
         if name_or_obj not in registry:
