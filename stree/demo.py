@@ -111,7 +111,7 @@ def run(args) -> int:
     runs: dict[str, list] = {name: [] for name, _, _ in rows_of}
     texts = [set() for _ in ids]  # every run's text per prompt: one element iff all are identical
     for _ in range(args.repeats):
-        totals = {name: None for name, _, _ in rows_of}
+        totals = {}  # method -> its stats summed over the prompts
         for i, prompt_ids in enumerate(ids):
             for name, method, drafter in rows_of:
                 out = generate(target, draft, prompt_ids, args.max_new_tokens, method=method,
@@ -119,15 +119,15 @@ def run(args) -> int:
                 text = tokenizer.decode(out.sequences[0, prompt_ids.shape[1]:out.lengths[0]].tolist())
                 texts[i].add(text)
                 if i == 0 and method == "tree":
-                    first_text = text
-                if totals[name] is None:
-                    totals[name] = out.stats
-                else:
+                    shown = text
+                if name in totals:
                     totals[name].merge(out.stats)
+                else:
+                    totals[name] = out.stats
         for name, st in totals.items():
             runs[name].append(st)
     rows = [(name, sorted(st, key=lambda s: s.tokens_per_s)[len(st) // 2]) for name, st in runs.items()]
-    print("=" * 24 + " STree continuation " + "=" * 24 + f"\n{first_text}\n" + "=" * 68)
+    print("=" * 24 + " STree continuation " + "=" * 24 + f"\n{shown}\n" + "=" * 68)
 
     print(f"\ntemperature 0, {len(ids)} prompt(s), {args.max_new_tokens} new tokens at most each, "
           f"device {device}, {torch.get_num_threads()} torch threads; median of {args.repeats} "

@@ -156,9 +156,19 @@ def test_demo_errors(capsys, tmp_path):
     assert_error(capsys, ["demo", "--models", str(tmp_path)], "needs a directory holding target/ and draft/")
     assert_error(capsys, ["demo", "--prompt", ""], "prompt is empty")
     assert_error(capsys, ["demo", "--max-new-tokens", "0"], "max-new-tokens must be >= 1")
+    assert_error(capsys, ["demo", "--prompts", "0"], "prompts must be >= 1")
     shutil.copytree(PAIR, tmp_path / "pair")
     (tmp_path / "pair" / "draft" / "model.safetensors").write_bytes(b"\0" * 16)
     assert_error(capsys, ["demo", "--models", str(tmp_path / "pair")], "draft model .*truncated or corrupt")
+
+
+def test_demo_runs_every_method_on_several_prompts(capsys):
+    """The main job, shortened: two HumanEval prompts, 12 tokens each, every text identical."""
+    rc, out, err = run(capsys, "demo", "--prompts", "2", "--max-new-tokens", "12", "--repeats", "1")
+    assert rc == 0, err
+    assert "2 prompt(s)" in out and "identical per prompt (lossless at temperature 0): YES" in out
+    rows = [line for line in out.splitlines() if line.startswith(("autoregressive", "chain SD", "STree"))]
+    assert len(rows) == 3 and all(line.split()[-7] == "24" for line in rows)  # 2 x 12 tokens each
 
 
 def test_entry_point_prints_one_line_and_debug_shows_the_traceback(tmp_path):
