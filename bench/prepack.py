@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
 
-METHODS = (("ar", "ar", None), ("chain:4", "chain", "chain:4"), ("tree:static:2,2,2,2", "tree", "static:2,2,2,2"))
+METHODS = (("ar", "ar", None), ("chain:4", "chain", "chain:4"),
+           ("tree:static:2,2,2,2", "tree", "static:2,2,2,2"))
 
 
 def _best_us(fn, calls: int = 200, repeats: int = 5) -> float:
@@ -70,7 +71,8 @@ def e2e_rows(args) -> list[dict]:
              for v in ("plain", "prepacked")}
     tokenizer = load_tokenizer(target_dir)
     bos = model_config(target_dir).get("bos_token_id")
-    prompts = [torch.tensor([encode_prompt(tokenizer, p, bos)]) for p in load_prompts(args.prompts, limit=args.limit)]
+    prompts = [torch.tensor([encode_prompt(tokenizer, p, bos)])
+               for p in load_prompts(args.prompts, limit=args.limit)]
     eos = default_eos(target_dir, tokenizer)
     totals, texts = {}, {}
     for v, (t, d) in pairs.items():  # warm-up

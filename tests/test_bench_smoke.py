@@ -4,6 +4,7 @@
   MambaInLlama layout with a byte-level BPE tokenizer trained on a few lines, over 2 prompts from a
   JSONL file: every method at T = 0 and 1, T = 0 outputs identical, result files tagged.
 * ``bench/model_verify.py --tiny --device cpu``: both model sections, checked outputs, result files.
+* ``bench/prepack.py`` on the same tiny pair: per-shape linear timings and both variants end to end.
 """
 import importlib
 import importlib.util
@@ -20,6 +21,7 @@ sys.path.insert(0, str(REPO / "bench"))
 pytest.importorskip("tokenizers")
 e2e = importlib.import_module("e2e")
 model_verify = importlib.import_module("model_verify")
+prepack = importlib.import_module("prepack")
 
 from models import data  # noqa: E402
 from stree.hybrid import MambaInLlamaConfig, MambaInLlamaForCausalLM  # noqa: E402
@@ -82,6 +84,25 @@ def test_e2e_smoke(tmp_path, monkeypatch):
     assert len(per_prompt) == 2 * len(methods) * 2
     if importlib.util.find_spec("matplotlib") is not None:
         assert len(list(out.glob("e2e_*.png"))) == 1
+
+
+def test_prepack_smoke(tmp_path):
+    from stree.layers.linear import prepack_available
+
+    if not prepack_available():
+        pytest.skip("no oneDNN in this torch build")
+    models = write_model_dir(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "results"
+    assert prepack.main(["--models", str(models), "--prompts", str(prompts), "--limit", "2",
+                         "--max-new-tokens", "8", "--out", str(out)]) == 0
+    rows = read_rows(out, "prepack_*.json")
+    linear = [r for r in rows if r["kind"] == "linear"]
+    assert linear and all(r["f_linear_us"] > 0 and r["packed_us"] > 0 for r in linear)
+    e2e_rows = [(r["variant"], r["method"]) for r in rows if r["kind"] == "e2e"]
+    assert e2e_rows == [(v, m) for v in ("plain", "prepacked") for m, _, _ in prepack.METHODS]
+    assert all(r["identical_texts"] and r["prompts"] == 2 for r in rows if r["kind"] == "e2e")
 
 
 def test_method_specs():

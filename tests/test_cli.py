@@ -326,7 +326,8 @@ def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
 def test_prepack_is_the_default_and_no_prepack_reaches_the_loader(tmp_path, monkeypatch, capsys, flag):
     target, seen = FakeLM(vocab_size=23), []
     _word_tokenizer(tmp_path, 23)
-    monkeypatch.setattr(cli, "load_model", lambda d, device, dtype, kind, prepack: seen.append(prepack) or target)
+    monkeypatch.setattr(cli, "load_model",
+                        lambda d, device, dtype, kind, prepack: seen.append(prepack) or target)
     for name in ("T", "D"):
         (tmp_path / name).mkdir()
     rc, _, err = run(capsys, "generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),

@@ -168,7 +168,8 @@ def get_verifier(name_or_obj) -> Verifier:
     from stree.verify.naive import NaiveVerifier
     from stree.verify.sps import SpSVerifier
 
-    classes = (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier, ASpSVerifier, ChainAwareVerifier)
+    classes = (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier, ASpSVerifier,
+               ChainAwareVerifier)
     registry = {cls.name: cls for cls in classes}
     if isinstance(name_or_obj, str):
         if name_or_obj not in registry:
