@@ -1,16 +1,17 @@
 """Linear layers with prepacked weights on CPU: the small-batch GEMMs of decoding without the packing.
 
 A decoding step multiplies a few rows (1 token, or a tree's 5-63 nodes) by every weight matrix.
-PyTorch's CPU ``F.linear`` hands that to MKL, which repacks the whole weight into its GEMM layout
-on every call once there are two or more rows: on the project's 2-core CPU a (1024, 384) projection
-costs 37 us for one row and 82 us for two, so a 5-node verify step cost about 1.35x a decoding
-step and the tree's extra nodes looked expensive. oneDNN's inner product on a weight reordered
-once (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses) costs
-34-69 us for 4-9 rows of the same weight, and beats ``F.linear`` even for one row once the weight
-is large (an LM head: 107 against 148 us); for small weights and one row its fixed ~15 us call
-overhead loses. :func:`prepack_linears` therefore gives every fp32 ``nn.Linear`` of a model on the
-CPU a forward that takes the packed path when ``rows * weight.numel() >= PACK_MIN_WORK`` (the
-crossover measured on that CPU) and plain ``F.linear`` otherwise.
+PyTorch's CPU ``F.linear`` hands that to MKL: a GEMV for one row, and from two rows a GEMM whose
+cost jumps (as we read the timings, it packs the weight on every call). On the project's 2-core
+CPU a (1024, 384) projection costs 38 us for one row, 74 us for two and 83-115 us for 5-13, so a
+5-node verify step cost about 1.35x a decoding step and the tree's extra nodes looked expensive.
+oneDNN's inner product on a weight reordered once (``torch.ops.mkldnn._reorder_linear_weight``,
+what inductor's CPU freezing uses) costs 27, 28 and 37-65 us for the same calls, and beats
+``F.linear`` even for one row once the weight is large (the (4096, 384) LM head: 77 against
+147 us); for small weights and one row its fixed ~15 us call overhead loses
+(``bench/prepack.py``). :func:`prepack_linears` therefore gives every fp32 ``nn.Linear`` of a
+model on the CPU a forward that takes the packed path when ``rows * weight.numel() >=
+PACK_MIN_WORK`` (the crossover measured on that CPU) and plain ``F.linear`` otherwise.
 
 It is a property of the model, not of stree's decoding: a model's own ``forward``/``step`` (the
 autoregressive baseline) runs the same modules and gets the same kernels. The checkpoint, the
