@@ -328,13 +328,15 @@ class StatePool:
 
     @property
     def num_slots(self) -> int:
-        first = next(iter(self.layers.values()))
-        return (first.conv_state if isinstance(first, MambaLayerCache) else first.k).shape[0]
+        return self._first_tensor().shape[0]
 
     @property
     def device(self) -> torch.device:
+        return self._first_tensor().device
+
+    def _first_tensor(self) -> torch.Tensor:
         first = next(iter(self.layers.values()))
-        return (first.conv_state if isinstance(first, MambaLayerCache) else first.k).device
+        return first.conv_state if isinstance(first, MambaLayerCache) else first.k
 
     def cache(self, slots) -> TreeCache:
         """A :class:`TreeCache` whose batch row r lives in pool slot ``slots[r]``.

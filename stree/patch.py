@@ -231,22 +231,25 @@ def _attention_tables(model, tables: dict) -> dict:
     return attention.tree_tables(adapters=adapters, **tables["tree"]) if adapters else {}
 
 
-def _repeat_rows(t: torch.Tensor, slots: int) -> torch.Tensor:
-    """``(b, ...)`` -> ``(b * slots, ...)``, each row repeated ``slots`` times (a new tensor)."""
-    return t[:, None].expand(t.shape[0], slots, *t.shape[1:]).contiguous().flatten(0, 1)
+def _with_slots(t: torch.Tensor, slots: int) -> torch.Tensor:
+    """``(b, ...)`` -> ``(b * slots, ...)`` holding row r at flat index ``r * slots`` (slot 0)."""
+    out = t.new_empty((t.shape[0] * slots, *t.shape[1:]))
+    out[::slots] = t
+    return out
 
 
 def _level_states(model, cache: TreeCache, slots: int) -> dict:
-    """Pending layers of a tree drafted level by level: per Mamba2 layer :class:`NodeStates` with
-    ``slots`` copies of the committed state, per attention layer its K/V scratch marker."""
+    """Pending layers of a tree drafted level by level: per Mamba2 layer :class:`NodeStates` of
+    ``slots`` states per row, slot 0 the committed state (the others are written by the levels
+    before anything reads them), per attention layer its K/V scratch marker."""
     states, committed = {}, cache.states()
     for idx, mixer in _stree_mixers(model):
         if not mamba2.is_mamba2(mixer):
             states[idx] = AttentionActivations()
             continue
         state = committed[idx]
-        states[idx] = NodeStates(_repeat_rows(state.conv_state, slots),
-                                 _repeat_rows(state.ssm_state, slots))
+        states[idx] = NodeStates(*(_with_slots(t, slots) for t in (state.conv_state,
+                                                                   state.ssm_state)))
     return states
 
 

@@ -157,6 +157,16 @@ class TokenTree:
             self._windows["scan"] = (mask_f, bias[:, None])
         return self._windows["scan"]
 
+    def earlier_siblings(self) -> torch.Tensor:
+        """``(b, n, n)`` bool: ``[b, i, j]`` iff node j is a sibling of node i before it in draft
+        order (same parent, ``j < i``). Built once per tree (templates share it)."""
+        if "siblings" not in self._windows:
+            n = self.num_nodes
+            earlier = torch.ones(n, n, dtype=torch.bool, device=self.device).tril(-1)
+            same_parent = self.parents[:, :, None] == self.parents[:, None, :]
+            self._windows["siblings"] = same_parent & earlier
+        return self._windows["siblings"]
+
     def conv_scan_tables(self, width: int, channels: int) -> dict:
         """What a Mamba2 layer with a ``width``-tap conv over ``channels`` reads of this tree:
         ``window`` (:meth:`conv_window`), ``mask``, and on the CPU ``gather``

@@ -25,6 +25,7 @@ prepack = importlib.import_module("prepack")
 
 from models import data  # noqa: E402
 from stree.hybrid import MambaInLlamaConfig, MambaInLlamaForCausalLM  # noqa: E402
+from stree.layers.linear import prepack_available  # noqa: E402
 from tests.test_generate_models import noisy_copy  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print("]
@@ -86,11 +87,8 @@ def test_e2e_smoke(tmp_path, monkeypatch):
         assert len(list(out.glob("e2e_*.png"))) == 1
 
 
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packed linear in this torch build")
 def test_prepack_smoke(tmp_path):
-    from stree.layers.linear import prepack_available
-
-    if not prepack_available():
-        pytest.skip("no oneDNN in this torch build")
     models = write_model_dir(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

@@ -21,15 +21,13 @@ def greedy_verdict(draft: Draft, target_logits: Tensor) -> Verdict:
     ``target_logits``: ``(b, n, v)``. Shapes as in :class:`Verdict`.
     """
     tree = draft.tree
-    b, n, _ = target_logits.shape
+    b = target_logits.shape[0]
     best = target_logits.argmax(-1)                                        # (b, n)
     parents = tree.parents
     # node i > 0 follows the argmax after its parent
     match = tree.tokens == best.gather(1, parents.clamp_min(0))
     # ... and is taken only if no earlier sibling matched too (first match in draft order)
-    earlier = torch.ones(n, n, dtype=torch.bool, device=best.device).tril(-1)
-    same_parent = (parents[:, :, None] == parents[:, None, :]) & earlier
-    first = match & ~(same_parent & match[:, None, :]).any(-1)
+    first = match & ~(tree.earlier_siblings() & match[:, None, :]).any(-1)
     first[:, 0] = True  # the root
     # accepted nodes: every ancestor-or-self is a first match; they form one root path
     on_path = ~(tree.mask & ~first[:, None, :]).any(-1)                     # (b, n)
