@@ -266,8 +266,7 @@ class _DraftSide:
         self.drafter.observe(tree, path)
         if self.model is None:
             return
-        if commit_draft(self.model, self.cache, tree, path, counts, last_nodes,
-                        self.drafter.num_forwarded):
+        if commit_draft(self.model, self.cache, tree, path, counts, last_nodes, self.drafter.ran):
             return
         # A tree_forward-only draft model whose path reaches the never-run deepest layer: run
         # the path as a chain.

@@ -223,6 +223,24 @@ def parents_from_widths(widths: Sequence[int]) -> list[int]:
     return parents
 
 
+def parents_caterpillar(children: Sequence[int]) -> list[int]:
+    """Parent list of a chain (the spine) with leaves on it: the spine node at depth ``d`` has
+    ``children[d]`` children, the first of which continues the spine; each layer lists its spine
+    node first.
+
+    ``[2, 2, 2, 2]`` gives a 4-deep chain with one extra leaf beside each chain node (9 nodes);
+    ``[1, 1, 1]`` a plain chain.
+    """
+    if not children or any(int(c) < 1 for c in children):
+        raise ValueError(f"children must be a non-empty list of positive ints, got {list(children)}")
+    parents, spine = [-1], 0
+    for c in children:
+        start = len(parents)
+        parents.extend([spine] * int(c))
+        spine = start
+    return parents
+
+
 # --------------------------------------------------------------------------------------- helpers
 def _as_long_tensor(value, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):

@@ -66,6 +66,12 @@ def test_eq7_step_time_and_tau_of_a_chain():
 def test_level_widths_count_the_new_nodes_of_each_level():
     assert level_widths([-1, 0, 0, 1, 2, 3, 4]) == [1, 2, 2]  # depth 3 is never forwarded
     assert level_widths([-1, 0, 1, 2]) == [1, 1, 1]
+    # a caterpillar: one node per level, its leaves never run (as the static drafter runs it)
+    cat = parse_drafter("caterpillar:3,2,2")
+    assert level_widths(cat.parents) == [1, 1, 1]
+    assert [cat.ran(i) for i in range(cat.num_nodes)] == [True, True, False, False, True, False,
+                                                       False, False]
+    assert level_widths(parse_drafter("static:D").parents) == [1, 4, 2, 2]
 
 
 def test_measured_step_time_scales_predictions_then_replaces_them():

@@ -59,7 +59,7 @@ def test_compiled_draft_levels_match_eager(monkeypatch):
     def draft_and_commit(cache):
         logits = [forward_level(model, cache, TokenTree(tree.tokens[:, :e], PARENTS[:e]), s, e, 5)
                   for s, e in [(0, 1), (1, 3)]]
-        assert commit_draft(model, cache, tree, path, counts, [4, 3], 3)  # runs nodes 4 and 3
+        assert commit_draft(model, cache, tree, path, counts, [4, 3], lambda node: node < 3)  # runs nodes 4 and 3
         return logits, [t.clone() for c in cache.layers.values() for t in vars(c).values()]
 
     eager, eager_state = draft_and_commit(_prefilled(model))

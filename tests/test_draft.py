@@ -78,7 +78,7 @@ def test_mode_choice():
 
 @pytest.mark.parametrize("spec,sampling", [
     ("static:fig4a", GREEDY), ("static:B", HOT), ("static:D:iid", HOT), ("beam:4x3", GREEDY),
-    ("beam:3x2", HOT), ("chain:5", HOT), ("chain:3", GREEDY)], ids=str)
+    ("beam:3x2", HOT), ("chain:5", HOT), ("chain:3", GREEDY), ("caterpillar:3,2,2", HOT)], ids=str)
 def test_draft_calls_once_per_depth_over_tree_only(spec, sampling):
     model = FakeLM(vocab_size=19, noise=1.0)
     cache = prefilled(model, [[1, 2, 3], [4, 5, 6]])
@@ -90,25 +90,29 @@ def test_draft_calls_once_per_depth_over_tree_only(spec, sampling):
     assert torch.equal(tree.tokens[:, 0], roots)
     calls = model.calls
     assert [c.kind for c in calls] == ["tree_forward"] * drafter.depth
+    ran = torch.tensor([drafter.ran(i) for i in range(drafter.num_nodes)])
+    if isinstance(drafter, StaticTreeDrafter):  # runs exactly the nodes with children
+        inner = set(tree.parents[0, 1:].tolist())
+        assert ran.tolist() == [i in inner for i in range(drafter.num_nodes)]
     for level, call in enumerate(calls):
         m = call.tokens.shape[1]
-        # the call covers exactly the layers above level + 1, starting at the root (never the prefix)
-        assert m == int((tree.depth[0] <= level).sum())
+        # the call covers the tree up to the last node of layer `level` that runs, starting at
+        # the root (never the prefix)
+        assert m == 1 + max(i for i in range(drafter.num_nodes) if ran[i] and tree.depth[0, i] == level)
         assert torch.equal(call.tokens, tree.tokens[:, :m])  # earlier layers never move
         assert torch.equal(call.parents, tree.parents[:, :m])
         assert call.committed == [3, 3]  # committed state untouched while drafting
     assert calls[-1].tokens.shape[1] == drafter.num_forwarded
-    # q: distributions at forwarded nodes, zero rows at the never-forwarded deepest layer; at
-    # greedy sampling no verifier reads q and none is allocated
+    # q: distributions at the nodes the draft ran, zero rows elsewhere (the deepest layer, inner
+    # leaves); at greedy sampling no verifier reads q and none is allocated
     q = draft.q
     if sampling.is_greedy:
         assert q is None
         return
     assert q.shape == (2, drafter.num_nodes, 19)
-    fwd = drafter.num_forwarded
     assert (q >= 0).all()
-    torch.testing.assert_close(q[:, :fwd].sum(-1), torch.ones(2, fwd))
-    assert (q[:, fwd:] == 0).all()
+    torch.testing.assert_close(q[:, ran].sum(-1), torch.ones(2, int(ran.sum())))
+    assert (q[:, ~ran] == 0).all()
 
 
 def test_static_deterministic_children_are_topk_in_order():

@@ -40,6 +40,7 @@ def new_tokens(out, prompts):
     ("tree", "chain:3", None, 96),
     ("tree", "static:fig4a", "mss", 96),     # temperature 0 through MSS == greedy
     ("tree", "static:D", "naive", 96),
+    ("tree", "caterpillar:3,2,2", None, 96),
     ("chain", "chain:4", "sps", 96),
     ("chain", "chain:4", "asps", 96),
     ("unrolled", "beam:3x2", None, 96),

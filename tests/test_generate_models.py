@@ -56,8 +56,10 @@ def new_tokens(out):
     ("ar-tree", None), ("tree", "static:fig4a"), ("tree", "beam:4x3"), ("tree", "chain:4"),
     ("chain", "chain:4"), ("unrolled", "static:fig4a"), ("tree", "dyspec:12"),
     ("tree", "dyspec-threshold:0.05:16"), ("tree", "dynatree:4x2:12"), ("tree", "dynatree2:16"),
+    ("tree", "caterpillar:2,2,2,2"),
 ], ids=["ar-tree", "tree-fig4a", "tree-beam4x3", "tree-chain4", "chain-sd", "unrolled-fig4a",
-        "tree-dyspec12", "tree-dyspec-threshold", "tree-dynatree4x2", "tree-dynatree2"])
+        "tree-dyspec12", "tree-dyspec-threshold", "tree-dynatree4x2", "tree-dynatree2",
+        "tree-caterpillar"])
 def test_mamba2_greedy_equals_sequential_greedy(mamba_pair, mamba_reference, method, drafter):
     target, draft = mamba_pair
     out = stree.generate(target, draft, PROMPTS, N_NEW, method=method, drafter=drafter)
@@ -72,7 +74,8 @@ def test_hybrid_greedy_equals_its_own_generate():
     refs = [target.generate(p[None], max_new_tokens=64)[0, len(p):].tolist() for p in PROMPTS]
     stree.patch(target), stree.patch(draft)
     for method, drafter in [("tree", "static:fig4a"), ("tree", "beam:3x2"), ("chain", "chain:4"),
-                            ("tree", "dyspec:10"), ("tree", "dynatree2:12")]:
+                            ("tree", "dyspec:10"), ("tree", "dynatree2:12"),
+                            ("tree", "caterpillar:3,2,2,1")]:
         out = stree.generate(target, draft, PROMPTS, 64, method=method, drafter=drafter)
         assert new_tokens(out) == refs, f"{method} {drafter}"
 

@@ -151,7 +151,7 @@ def test_draft_levels_and_commit_match_own_cached_decoding(case, tmp):
         logits = forward_level(model, cache, TokenTree(tree.tokens[:, :e], parents[:e]), s, e, 7)
         close(logits[0], ref[s:e], f"nodes {s}:{e}")
     path = [0, 2, 4]
-    assert commit_draft(model, cache, tree, torch.tensor([path]), [3], [path[-1]], 5)
+    assert commit_draft(model, cache, tree, torch.tensor([path]), [3], [path[-1]], lambda node: node < 5)
     oracle.feed([int(tree.tokens[0, j]) for j in path])
     check_states(model, cache, oracle)
 

@@ -38,7 +38,7 @@ def test_levels_and_commit_match_step_decoding(attn_layers):
         # committed state untouched while drafting
         assert all(torch.equal(a, t) for a, t in zip(
             before, [t for c in cache.layers.values() for t in vars(c).values()]))
-        assert commit_draft(model, cache, tree, path, counts, [p[-1] for p in paths], 5)
+        assert commit_draft(model, cache, tree, path, counts, [p[-1] for p in paths], lambda node: node < 5)
         for r in range(2):
             oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
             check_states(model, cache, oracles[r], row=r)
@@ -70,7 +70,7 @@ def test_mamba_ssm_levels_equal_tree_forward():
         close(logits, full[:, s:e], f"nodes {s}:{e}")
     path, counts = torch.tensor([[0, 2, 4, 6], [0, 1, -1, -1]]), [4, 2]
     caches[0].commit(path, counts)
-    assert commit_draft(model, caches[1], tree, path, counts, [6, 1], 5)
+    assert commit_draft(model, caches[1], tree, path, counts, [6, 1], lambda node: node < 5)
     assert caches[0].seqlens == caches[1].seqlens == [7, 5]
     for i, layer in caches[0].layers.items():
         for name, t in vars(layer).items():
@@ -94,8 +94,42 @@ def test_commit_runs_no_level_when_every_path_ends_at_a_forwarded_node():
     calls = []
     model.level_forward = lambda *a, **k: calls.append(a)  # must not be needed
     paths = [[0, 2, 4], [0]]
-    assert commit_draft(model, cache, tree, torch.tensor([paths[0], [0, -1, -1]]), [3, 1], [4, 0], 5)
+    assert commit_draft(model, cache, tree, torch.tensor([paths[0], [0, -1, -1]]), [3, 1], [4, 0], lambda node: node < 5)
     assert not calls
     for r in range(2):
         oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
         check_states(model, cache, oracles[r], row=r)
+
+
+def test_caterpillar_runs_only_its_spine_and_commits_paths_ending_at_any_leaf():
+    """A caterpillar's draft runs one node per level (its leaves never); a path ending at an
+    inner leaf or at the deepest layer is committed by running that leaf once from its parent's
+    state, giving the state of token-by-token decoding."""
+    from stree.draft.presets import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    model = stree.patch(make_hybrid((1,), seed=11))
+    drafter = parse_drafter("caterpillar:2,3,2")  # 0 | 1 2 | 3 4 5 | 6 7
+    assert [drafter.ran(i) for i in range(8)] == [True, True, False, True, False, False, False, False]
+    prompts = [[3, 9, 4], [7, 1, 2, 8]]
+    runs = []
+    forward = model.level_forward
+    model.level_forward = lambda tree, cache, nodes, **k: runs.append(nodes.tolist()) or forward(
+        tree, cache, nodes, **k)
+    for paths in ([[0, 2], [0, 1, 3, 7]], [[0, 1, 5], [0]]):
+        cache = model.allocate_tree_cache(2, 64)
+        model.prefill([torch.tensor(p) for p in prompts], cache)
+        oracles = [StepOracle(model) for _ in prompts]
+        for o, p in zip(oracles, prompts):
+            o.feed(p)
+        runs.clear()
+        draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig())
+        assert runs == [[[0], [0]], [[1], [1]], [[3], [3]]]  # the spine only
+        counts = [len(p) for p in paths]
+        path = torch.tensor([p + [-1] * (4 - len(p)) for p in paths])
+        last = [p[-1] for p in paths]
+        assert commit_draft(model, cache, draft.tree, path, counts, last, drafter.ran)
+        assert runs[3:] == [[[n] for n in last]]  # a leaf is the last node: one level runs it
+        for r in range(2):
+            oracles[r].feed([int(draft.tree.tokens[r, j]) for j in paths[r]])
+            check_states(model, cache, oracles[r], row=r)

@@ -74,12 +74,13 @@ def draw_children(q: torch.Tensor, k: int, mode: str, g) -> torch.Tensor:
     raise AssertionError(mode)
 
 
-def simulate(m: Models, widths: tuple[int, int], draft_mode: str, verify, seed: int,
+def simulate(m: Models, widths: tuple[int, ...], draft_mode: str, verify, seed: int,
              sampling: SamplingConfig, label_mode: str | None = None, trials: int = TRIALS,
              q_seen=None):
     """Run ``trials`` speculative steps; return counts of emitted triples (V, V, V).
 
-    widths (k1, k2): the root has k1 children, each of those k2 children (leaves).
+    widths (k1, k2[, inner]): the root has k1 children, the first ``inner`` of those (default:
+    all) k2 children each (leaves); ``(k1, k2, 1)`` is a caterpillar.
     label_mode: the mode written into the Draft (defaults to draft_mode); a different label feeds
     a verifier children drawn some other way than it assumes.
     verify: callable(draft, logits, generator) -> Verdict.
@@ -87,17 +88,19 @@ def simulate(m: Models, widths: tuple[int, int], draft_mode: str, verify, seed: 
     the true q), to model a verifier that sees a different q than the drafter used.
     """
     g = torch.Generator().manual_seed(seed)
-    k1, k2 = widths
-    n = 1 + k1 + k1 * k2
-    parents = [-1] + [0] * k1 + [1 + i for i in range(k1) for _ in range(k2)]
+    k1, k2, inner = (*widths, widths[0])[:3]
+    n = 1 + k1 + inner * k2
+    parents = [-1] + [0] * k1 + [1 + i for i in range(inner) for _ in range(k2)]
     N = trials
     t1 = draw_children(m.q1.expand(N, V), k1, draft_mode, g)                     # (N, k1)
-    t2 = draw_children(m.q2[t1.reshape(-1)], k2, draft_mode, g).reshape(N, k1 * k2)
-    par1 = t1.repeat_interleave(k2, dim=1)                                       # parent token
+    t2 = draw_children(m.q2[t1[:, :inner].reshape(-1)], k2, draft_mode, g).reshape(N, inner * k2)
+    par1 = t1[:, :inner].repeat_interleave(k2, dim=1)                            # parent token
     tokens = torch.cat([torch.zeros(N, 1, dtype=torch.long), t1, t2], 1)
     logits = torch.cat([m.L1.expand(N, 1, V), m.L2[t1], m.L3[par1, t2]], 1)
     # Leaves' q rows are unused by contract: NaN makes any use of them visible.
-    q = torch.cat([m.q1.expand(N, 1, V), m.q2[t1], torch.full((N, k1 * k2, V), float("nan"))], 1)
+    q1 = m.q2[t1].clone()
+    q1[:, inner:] = float("nan")
+    q = torch.cat([m.q1.expand(N, 1, V), q1, torch.full((N, inner * k2, V), float("nan"))], 1)
     assert logits.shape == q.shape == (N, n, V)
     tree = TokenTree(tokens, torch.tensor(parents))
     draft = Draft(tree=tree, q=q if q_seen is None else q_seen(q), mode=label_mode or draft_mode)
@@ -159,12 +162,15 @@ LOSSLESS = [
     ("asps", "chain", (1, 1), SamplingConfig(0.7, top_p=0.8)),
     ("mss+asps", "chain", (1, 1), SamplingConfig(1.0)),               # runs asps
     ("mss+asps", "without_replacement", (3, 2), SamplingConfig(1.0)),  # runs mss
+    ("mss", "without_replacement", (3, 2, 1), SamplingConfig(1.0)),    # caterpillar
+    ("mss", "iid", (2, 2, 1), SamplingConfig(0.8, top_k=4)),           # caterpillar
+    ("naive", "deterministic", (3, 2, 1), SamplingConfig(1.0)),        # caterpillar
 ]
 
 
 def _id(case):
     name, mode, widths, s = case
-    return f"{name}-{mode}-{widths[0]}x{widths[1]}-T{s.temperature}-k{s.top_k}-p{s.top_p}"
+    return f"{name}-{mode}-{'x'.join(map(str, widths))}-T{s.temperature}-k{s.top_k}-p{s.top_p}"
 
 
 @pytest.mark.parametrize("peaked", [False, True], ids=["random_q", "peaked_q"])

@@ -14,7 +14,8 @@ predicted from a running acceptance profile:
   Thm D.1), which it adapts per step; once a candidate has run ``min_runs`` steps its own
   measured tau (decayed running mean) replaces the prediction.
 
-Candidates (default): chains ``chain:1..6``, the static presets and ``dyspec:8/16/32``. A switch
+Candidates (default): chains ``chain:1..6``, the static presets, caterpillars of depth 4 to 6 and
+``dyspec:8/16/32``. A switch
 needs a predicted gain of ``switch_margin`` (3%) to avoid flapping. Draft level costs follow the
 level mechanism: each level forwards only its new nodes (``level_widths``).
 
@@ -43,7 +44,8 @@ from stree.tree import TokenTree
 
 DEFAULT_CANDIDATES = ("chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
                       "static:fig4a", "static:B", "static:C", "static:D", "static:E",
-                      "dyspec:8", "dyspec:16", "dyspec:32")
+                      "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "caterpillar:3,2,2,2,2",
+                      "caterpillar:2,2,2,2,2,2", "dyspec:8", "dyspec:16", "dyspec:32")
 
 
 @dataclass
@@ -122,12 +124,14 @@ def best_tree(budget: int, p: list[float]) -> list[int]:
 
 
 def level_widths(parents) -> list[int]:
-    """Nodes each draft level forwards: those at depth d, for d = 0 .. depth - 1 (the deepest
-    layer is never forwarded)."""
+    """Nodes each draft level forwards, for d = 0 .. depth - 1 (the deepest layer never runs):
+    layer d from its first node to its last node with children, as a static drafter runs it
+    (leaves listed after a layer's inner nodes, like a caterpillar's, never run)."""
     depth = [0] * len(parents)
     for i, par in enumerate(parents[1:], start=1):
         depth[i] = depth[par] + 1
-    return [depth.count(d) for d in range(max(depth))]
+    inner = set(parents[1:])
+    return [max(i for i in inner if depth[i] == d) + 1 - depth.index(d) for d in range(max(depth))]
 
 
 @dataclass(eq=False)
@@ -183,6 +187,9 @@ class AutoDrafter(Drafter):
     @property
     def draft_runs(self) -> int:
         return self.chosen.draft_runs
+
+    def ran(self, node: int) -> bool:
+        return self.chosen.ran(node)
 
     @property
     def layered(self) -> bool:

@@ -1,16 +1,17 @@
 """What every drafter shares: the layered shape contract and child selection from a draft distribution.
 
 A drafter grows a tree layer by layer with the draft model, which is itself a patched model: level
-``d`` runs ``draft_model.tree_forward`` once over the partial tree (layers ``0..d``) and reads the
-logits of layer ``d`` to choose layer ``d + 1``. The committed prefix lives in the draft cache and is
-never re-run. Nodes are appended layer by layer, so indices never move, and the draft's last
-``tree_forward`` covered exactly the first ``num_forwarded`` nodes (every layer but the deepest):
-after verification the loop can ``draft_cache.commit(path)`` with the target's node indices whenever
-the accepted path stays inside those nodes.
+``d`` forwards the nodes of layer ``d`` that get children (``forward_level``: each once, from its
+parent's state; a model with only ``tree_forward`` reruns the partial tree) and reads their logits to
+choose layer ``d + 1``. The committed prefix lives in the draft cache and is never re-run. Nodes are
+appended layer by layer, so indices never move; ``Drafter.ran`` says which nodes the draft ran, and
+after verification ``commit_draft`` advances the draft cache along the target's accepted path,
+running its last node first only when the draft never ran it.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -32,8 +33,9 @@ class Drafter(ABC):
         num_nodes: tree size ``n``, root included.
         depth: drafted layers below the root (= draft ``tree_forward`` calls per draft, see
             ``draft_runs``); the accepted path is committed to the draft cut to ``depth`` nodes.
-        num_forwarded: leading nodes covered by the last draft ``tree_forward`` (all but the
-            deepest layer); 0 when the drafter never calls the draft model.
+        num_forwarded: one past the last node the draft ran (a ``tree_forward``-only draft
+            model's last call covered this prefix); 0 when the drafter never calls the draft
+            model. Inner leaves in the prefix may not have run (see :meth:`ran`).
         max_leaves: upper bound on root-to-leaf paths of any tree it builds.
     Dynamic drafters (``dynamic.py``) build trees of at most ``num_nodes`` nodes and report the
     ``depth``, ``num_forwarded`` and ``draft_runs`` of their latest draft.
@@ -77,6 +79,12 @@ class Drafter(ABC):
         """Whether some of its drafts are fixed-length sampled chains (mode ``"chain"``) and others
         trees, chosen before each draft: its default verifier at T > 0 is then ``mss+asps``."""
         return False
+
+    def ran(self, node: int) -> bool:
+        """Whether the latest draft ran ``node`` through the draft model (its state exists, so
+        committing a path that ends there needs no draft forward). Drafters forward prefixes by
+        default; a static tree skips the leaves of its inner layers."""
+        return node < self.num_forwarded
 
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         """Modes this drafter can run in, best first for ``sampling``; overridden by drafters
@@ -167,20 +175,20 @@ def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Te
 
 
 def commit_draft(model, cache, tree, path: Tensor, counts: list[int], last_nodes: list[int],
-                 num_forwarded: int) -> bool:
+                 ran: Callable[[int], bool]) -> bool:
     """Advance the draft cache along the target's accepted ``path (b, k)`` of ``counts[r]`` nodes
-    per row, ending at node ``last_nodes[r]`` (host ints; no device sync). The draft forwarded the
-    first ``num_forwarded`` nodes of ``tree`` (drafters forward prefixes; the rest, a static
-    tree's deepest layer or a dynamic tree's last round, never ran). Returns False when the
-    caller must run the path as a chain instead (a ``tree_forward`` model whose last call did not
-    cover the path).
+    per row, ending at node ``last_nodes[r]`` (host ints; no device sync). ``ran(node)``: whether
+    the draft forwarded ``node`` (``Drafter.ran``; a static tree's deepest layer and inner
+    leaves, or a dynamic tree's last round, never ran). Returns False when the caller must run
+    the path as a chain instead (a ``tree_forward`` model whose last call did not cover the
+    path).
 
     After ``forward_level``: when a row's path ends at a node that never ran, the last node of
     every row runs once from its parent's state (rows ending higher recompute the state they
     have), then the committed state becomes the state of each row's last path node (no replay,
     no chain).
     """
-    unforwarded = any(c and node >= num_forwarded for c, node in zip(counts, last_nodes))
+    unforwarded = any(c and not ran(node) for c, node in zip(counts, last_nodes))
     if not hasattr(model, "level_forward"):
         if not unforwarded:
             cache.commit(path[:, :max(counts)], counts)

@@ -1,7 +1,10 @@
 """Named drafter presets and the drafter spec strings of the API and CLI.
 
 Spec strings: ``"chain:K"``, ``"static:NAME"`` (NAME in :data:`STATIC_TREES`), ``"static:w1,w2,..."``
-(layer widths), either static form with a ``":MODE"`` suffix (``"static:fig4a:iid"``),
+(layer widths), ``"caterpillar:c1,c2,..."`` (a chain whose node at depth d has c_d children, the
+first continuing the chain and the others leaves: the draft runs one node per level, as for a
+chain; :func:`stree.tree.parents_caterpillar`), any static form with a ``":MODE"`` suffix
+(``"static:fig4a:iid"``),
 ``"beam:NxM"`` (N steps, M beams), or a bare static name (``"fig4a"``, ``"A"``). Dynamic trees
 (a shape per step and row, see ``dyspec.py`` and ``dynatree.py``): ``"dyspec:N[:D[:VT]]"`` (and
 ``"dyspec-paper:..."``, without the online calibration),
@@ -36,6 +39,7 @@ from stree.draft.chain import ChainDrafter
 from stree.draft.dynatree import DynaTree2Drafter, DynaTreeDrafter
 from stree.draft.dyspec import DySpecDrafter
 from stree.draft.static import StaticTreeDrafter
+from stree.tree import parents_caterpillar
 
 STATIC_TREES: dict[str, tuple[int, ...]] = {
     "fig4a": (3, 3, 3, 3),
@@ -47,7 +51,8 @@ STATIC_TREES: dict[str, tuple[int, ...]] = {
 }
 
 _MODES = ("deterministic", "iid", "without_replacement")
-_HELP = ("expected 'chain:K', 'static:NAME' or 'static:W1,W2,...' (optionally ':MODE'), "
+_HELP = ("expected 'chain:K', 'static:NAME', 'static:W1,W2,...' or 'caterpillar:C1,C2,...' "
+         "(optionally ':MODE'), "
          "'beam:NxM', 'dyspec[-paper]:N[:D[:VT]]', 'dyspec-threshold:T[:N[:D]]', 'dynatree:DxB:N[:TAU]', "
          f"'dynatree2[:N]', 'auto', or a bare static name; NAME in {sorted(STATIC_TREES)}, "
          f"MODE in {list(_MODES)}")
@@ -82,10 +87,15 @@ def parse_drafter(spec: str | Drafter) -> Drafter:
         return AutoDrafter()
     if kind == "dynatree2" and (m := re.fullmatch(r"(\d*)", rest)):
         return DynaTree2Drafter(int(m[1] or 32))
-    if kind == "static" and rest:
+    if kind in ("static", "caterpillar") and rest:
         shape, _, mode = rest.partition(":")
         if mode and mode not in _MODES:
             raise ValueError(f"unknown draft mode {mode!r} in drafter spec {spec!r}; {_HELP}")
+        if kind == "caterpillar":
+            if not re.fullmatch(r"\d+(,\d+)*", shape):
+                raise ValueError(f"bad caterpillar {shape!r} in drafter spec {spec!r}; {_HELP}")
+            return StaticTreeDrafter(tuple(parents_caterpillar([int(c) for c in shape.split(",")])),
+                                     mode=mode or None, name=f"caterpillar:{shape}")
         if shape in STATIC_TREES:
             widths = STATIC_TREES[shape]
         elif re.fullmatch(r"\d+(,\d+)*", shape):

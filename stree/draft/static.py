@@ -42,6 +42,11 @@ class StaticTreeDrafter(Drafter):
     _parent_col: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _rank: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _fanout: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # Per layer above the deepest, one past its last node with children: the draft runs
+    # ``layer start .. run_end`` (leaves listed after a layer's inner nodes never run); and
+    # per node whether the draft runs it.
+    _run_end: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _ran: tuple[bool, ...] = field(init=False, repr=False, compare=False)
     # TokenTree of each drafted prefix, per (batch, nodes, device): the structure and its tables
     # (masks, conv windows) are built once and reused with new tokens every step.
     _templates: dict = field(init=False, repr=False, compare=False)
@@ -70,11 +75,15 @@ class StaticTreeDrafter(Drafter):
             seen[p] = rank[i] + 1
         col = [0] + [p - bounds[depth[p]][0] for p in parents[1:]]
         fanout = tuple(max((seen.get(p, 0) for p in range(s, e)), default=0) for s, e in bounds)
+        run_end = tuple(1 + max(p for p in seen if s <= p < e) for s, e in bounds[:-1])
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "_bounds", bounds)
         object.__setattr__(self, "_parent_col", tuple(col))
         object.__setattr__(self, "_rank", tuple(rank))
         object.__setattr__(self, "_fanout", fanout)
+        object.__setattr__(self, "_run_end", run_end)
+        object.__setattr__(self, "_ran", tuple(d < len(run_end) and i < run_end[d]
+                                               for i, d in enumerate(depth)))
         object.__setattr__(self, "_templates", {})
 
     def tree(self, tokens: Tensor) -> TokenTree:
@@ -104,7 +113,10 @@ class StaticTreeDrafter(Drafter):
 
     @property
     def num_forwarded(self) -> int:
-        return self._bounds[-1][0] if self.depth else 0
+        return self._run_end[-1] if self.depth else 0
+
+    def ran(self, node: int) -> bool:
+        return self._ran[node]
 
     @property
     def max_leaves(self) -> int:
@@ -137,7 +149,7 @@ class StaticTreeDrafter(Drafter):
         rank = torch.tensor(self._rank, device=device)
         q = None
         for d in range(self.depth):
-            (s, e), (cs, ce) = self._bounds[d], self._bounds[d + 1]
+            (s, _), e, (cs, ce) = self._bounds[d], self._run_end[d], self._bounds[d + 1]
             logits = forward_level(model, cache, self.tree(tokens[:, :e]), s, e, n)
             picks, probs = pick_children(logits, self._fanout[d], mode, sampling, generator)
             if not sampling.is_greedy:  # at greedy no verifier reads q: no (b, n, v) buffer
