@@ -18,6 +18,14 @@ levels) and one verify (target ``tree_forward`` + verifier)) this reports:
   in the JSON rows.
 * **wall time** per call (median over repeats, no profiler, ``--threads`` torch threads).
 
+``--gpu-path`` counts, on this CPU, what the same calls issue on CUDA: every choice stree makes by
+``is_cuda`` takes its CUDA branch (the Triton TreeConv, TreeScan and SSM-replay kernels, mamba_ssm's
+Triton gated RMSNorm), the kernels running under ``TRITON_INTERPRET=1``. Each kernel launch counts
+once (``launches``) and the interpreter's own work inside it is not counted; the host-side ops
+around the kernels are the ones a GPU would launch. Outside the mixers (``rest``) the CPU branches
+stay (mamba_ssm's fused add+norm is an autotuned kernel the interpreter cannot tune). Wall times are
+not taken (the interpreter's).
+
 Models: the shipped pair (``--models``, target and draft) and, with ``--layers``, one layer of each
 full-size layer type with random weights (Mamba2-2.7B's Mamba2 and an MHA of the same width;
 Llama3.1-Mamba2-8B's Mamba2GQA and Llama attention), batch 1, fp32, small vocabulary. ``--tiny``
@@ -25,16 +33,20 @@ replaces everything by tiny random models (seconds; the smoke test).
 
     python bench/overhead.py --models models/stree-tiny --layers --tag before
     python bench/overhead.py --tiny --out /tmp/x
+    python bench/overhead.py --models models/stree-tiny --layers --gpu-path --tag gpu-path
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import math
+import os
 import statistics
 import sys
 import time
 import traceback
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -47,6 +59,8 @@ for _p in (str(_HERE.parent), str(_HERE)):
 from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
 
 SCOPE = "stree::"
+LAUNCH = SCOPE + "launch:"  # one Triton kernel launch (--gpu-path)
+_LAUNCHING = [0]  # > 0 while the interpreter runs a kernel
 # Ops that only make a new view of existing storage: host work, but no kernel on a GPU.
 VIEW_OPS = {f"aten::{n}" for n in (
     "view", "reshape", "_reshape_alias", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "t",
@@ -100,12 +114,57 @@ def _activation_classes(cache_mod):
 
 
 @contextmanager
+def gpu_path():
+    """Take stree's CUDA branches on the CPU (see the module docstring); each Triton launch is
+    scoped as ``LAUNCH + kernel name``. Needs ``TRITON_INTERPRET=1`` set before triton is
+    imported; undone on exit."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from stree.hybrid import mamba as hybrid_mamba
+    from stree.layers import mamba2
+
+    saved = []
+
+    def swap(owner, attr, new):
+        saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, new)
+
+    for name in ("tree_scan", "tree_conv", "replay"):  # the "auto" rule on a CUDA tensor
+        swap(importlib.import_module(f"stree.kernels.{name}"), "use_triton",
+             lambda impl, like: impl != "ref")
+    swap(mamba2, "_gated_norm", lambda norm, y, z: norm(y, z))
+    swap(torch.cuda, "device", lambda index: nullcontext())  # mamba_ssm's launchers enter it
+
+    def hybrid_norm(self, y, z):
+        return hybrid_mamba.rmsnorm_fn(y, self.weight, None, z=z, eps=self.eps,
+                                       group_size=self.group_size, norm_before_gate=False)
+    swap(hybrid_mamba.GatedRMSNorm, "forward", hybrid_norm)
+    run = InterpretedFunction.run
+
+    def launch(self, *args, **kwargs):
+        _LAUNCHING[0] += 1  # host reads inside the interpreter are not the library's
+        try:
+            with torch.profiler.record_function(LAUNCH + self.__name__):
+                return run(self, *args, **kwargs)
+        finally:
+            _LAUNCHING[0] -= 1
+    swap(InterpretedFunction, "run", launch)
+    try:
+        yield
+    finally:
+        for owner, attr, old in reversed(saved):
+            setattr(owner, attr, old)
+
+
+@contextmanager
 def count_syncs(sites: Counter):
     """Count host reads of tensor data (see the module docstring) into ``sites[file:line]``."""
     originals = {m: getattr(torch.Tensor, m) for m in SYNC_METHODS}
 
     def wrap(name, fn):
         def counted(self, *args, **kwargs):
+            if _LAUNCHING[0]:
+                return fn(self, *args, **kwargs)
             frame = traceback.extract_stack(limit=3)[0]
             sites[f"{Path(frame.filename).name}:{frame.lineno}:{name}"] += 1
             return fn(self, *args, **kwargs)
@@ -121,7 +180,8 @@ def count_syncs(sites: Counter):
 
 
 def profile_call(fn, cuda: bool):
-    """(result, {scope: {"ops", "dispatches", "kernels"}}, total top-level ops) of one call."""
+    """(result, {scope: {"ops", "compute", "dispatches", "kernels", "launches"}}, total top-level
+    ops) of one call."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -133,14 +193,17 @@ def profile_call(fn, cuda: bool):
     scopes: dict[str, dict] = {}
     top_total = 0
     for e in events:
-        if e.name.startswith("aten::") and _aten_parent(e) is None:
+        if e.name.startswith("aten::") and _aten_parent(e) is None and not _in_launch(e):
             top_total += 1
         if not e.name.startswith(SCOPE) or _in_scope(e):
             continue
-        ops = dispatches = kernels = compute = 0
+        ops = dispatches = kernels = compute = launches = 0
         stack = list(e.cpu_children)
         while stack:
             c = stack.pop()
+            if c.name.startswith(LAUNCH):  # a kernel: one launch, its interpreter work not ops
+                launches += 1
+                continue
             if c.name.startswith("aten::"):
                 dispatches += 1
                 kernels += len(getattr(c, "kernels", []) or [])
@@ -149,12 +212,13 @@ def profile_call(fn, cuda: bool):
                     compute += c.name not in VIEW_OPS
             stack.extend(c.cpu_children)
         agg = scopes.setdefault(e.name[len(SCOPE):], {"calls": 0, "ops": 0, "compute": 0,
-                                                      "dispatches": 0, "kernels": 0})
+                                                      "dispatches": 0, "kernels": 0, "launches": 0})
         agg["calls"] += 1
         agg["compute"] += compute
         agg["ops"] += ops
         agg["dispatches"] += dispatches
         agg["kernels"] += kernels
+        agg["launches"] += launches
     return out, scopes, top_total
 
 
@@ -165,6 +229,15 @@ def _aten_parent(e):
             return p
         p = p.cpu_parent
     return None
+
+
+def _in_launch(e):
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith(LAUNCH):
+            return True
+        p = p.cpu_parent
+    return False
 
 
 def _in_scope(e):
@@ -188,7 +261,7 @@ def measure(name: str, fn, setup, args, cuda: bool) -> dict:
     with count_syncs(sites):
         fn()
     samples = []
-    for _ in range(args.repeats + 1):
+    for _ in range(0 if args.gpu_path else args.repeats + 1):  # no interpreter timings
         setup()
         t0 = time.perf_counter()
         fn()
@@ -198,11 +271,12 @@ def measure(name: str, fn, setup, args, cuda: bool) -> dict:
     per_layer = {k: {"layers": v["calls"], "ops": v["ops"] // max(v["calls"], 1),
                      "compute": v["compute"] // max(v["calls"], 1),
                      "dispatches": v["dispatches"] // max(v["calls"], 1),
-                     "kernels": v["kernels"] // max(v["calls"], 1)} for k, v in sorted(scopes.items())}
+                     "kernels": v["kernels"] // max(v["calls"], 1),
+                     "launches": v["launches"] // max(v["calls"], 1)} for k, v in sorted(scopes.items())}
     in_layers = sum(v["ops"] for v in scopes.values())
     return dict(call=name, per_layer=per_layer, ops_total=total, ops_rest=total - in_layers,
                 host_syncs=sum(sites.values()), sync_sites=dict(sites),
-                wall_ms=1e3 * statistics.median(samples[1:]))
+                wall_ms=1e3 * statistics.median(samples[1:]) if samples[1:] else math.nan)
 
 
 # ---------------------------------------------------------------------------------- scenarios
@@ -356,14 +430,16 @@ def layer_models(device, tiny: bool):
 # ---------------------------------------------------------------------------------- report
 def print_rows(rows: list[dict]) -> None:
     print(f"{'model':<28} {'call':<24} {'layer type':<15} {'ops/layer':>9} {'compute':>7} {'disp/layer':>10} "
-          f"{'kernels':>7} {'rest ops':>8} {'syncs':>6} {'wall ms':>8}")
+          f"{'kernels':>7} {'launch':>6} {'rest ops':>8} {'syncs':>6} {'wall ms':>8}")
     for r in rows:
-        types = r["per_layer"] or {"-": {"ops": "", "compute": "", "dispatches": "", "kernels": ""}}
+        types = r["per_layer"] or {"-": {"ops": "", "compute": "", "dispatches": "", "kernels": "",
+                                         "launches": ""}}
         for j, (t, v) in enumerate(types.items()):
             tail = (f"{r.get('ops_rest', ''):>8} {r['host_syncs']:>6.4g} {r.get('wall_ms', float('nan')):>8.2f}"
                     if j == 0 else "")
             print(f"{r['model'] if j == 0 else '':<28} {r['call'] if j == 0 else '':<24} {t:<15} "
-                  f"{v['ops']:>9} {v['compute']:>7} {v['dispatches']:>10} {v['kernels']:>7} {tail}")
+                  f"{v['ops']:>9} {v['compute']:>7} {v['dispatches']:>10} {v['kernels']:>7} "
+                  f"{v['launches']:>6} {tail}")
 
 
 def parse_args(argv=None):
@@ -376,6 +452,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--step-tokens", type=int, default=48, help="tokens generated to count syncs per step")
+    p.add_argument("--gpu-path", action="store_true",
+                   help="count stree's CUDA branches on this CPU, Triton kernels interpreted "
+                        "(op and launch counts only, see the module docstring)")
     p.add_argument("--tag", default="", help="label stored in every row (e.g. before / after)")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
@@ -385,10 +464,27 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.gpu_path:
+        if cuda:
+            raise SystemExit("--gpu-path counts the CUDA path on a CPU; on a GPU run without it")
+        if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
+            raise SystemExit("--gpu-path needs TRITON_INTERPRET=1 before triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
     if not cuda:
         torch.set_num_threads(args.threads)
     meta = metadata(device)
-    meta.update(threads=args.threads if not cuda else None, tag=args.tag)
+    meta.update(threads=args.threads if not cuda else None, tag=args.tag, gpu_path=args.gpu_path)
+    with gpu_path() if args.gpu_path else nullcontext():
+        rows = _rows(args, device, cuda)
+    rows = [{**meta, **r} for r in rows]
+    print_rows(rows)
+    name = "overhead_tiny" if args.tiny else "overhead"
+    paths = write_rows(rows, result_stem(args.out, name + (f"_{args.tag}" if args.tag else ""), meta))
+    print("wrote", *map(str, paths))
+    return 0
+
+
+def _rows(args, device, cuda: bool) -> list[dict]:
     rows = []
     with torch.inference_mode():
         target, draft = tiny_pair(device) if args.tiny else load_pair(args.models, device)
@@ -401,12 +497,7 @@ def main(argv=None) -> int:
             for label, model in layer_models(device, args.tiny):
                 rows += model_rows(label, model, args, device, cuda, 16, 256)
                 del model
-    rows = [{**meta, **r} for r in rows]
-    print_rows(rows)
-    name = "overhead_tiny" if args.tiny else "overhead"
-    paths = write_rows(rows, result_stem(args.out, name + (f"_{args.tag}" if args.tag else ""), meta))
-    print("wrote", *map(str, paths))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

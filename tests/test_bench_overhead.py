@@ -28,3 +28,21 @@ def test_overhead_tiny(tmp_path):
     assert all(r["wall_ms"] > 0 for r in rows if "wall_ms" in r)
     step = next(r for r in rows if r["call"] == "generate_step")
     assert step["host_syncs"] == pytest.approx(sum(step["sync_sites"].values()))
+
+
+def test_overhead_gpu_path_counts_kernel_launches(tmp_path):
+    """--gpu-path: the mixers take their CUDA branches (Triton kernels, interpreted), each launch
+    counted once and its interpreter work left out of the ops."""
+    assert overhead.main(["--tiny", "--gpu-path", "--step-tokens", "8", "--out", str(tmp_path)]) == 0
+    rows = json.loads(next(tmp_path.glob("overhead_tiny_*.json")).read_text())
+    cpu = {(r["model"], r["call"]): r for r in rows}
+    for model in ("target", "mamba2-tiny-layers"):
+        row = cpu[(model, "tree_forward_13")]
+        mamba = next(v for t, v in row["per_layer"].items() if t.startswith("Mamba2"))
+        # TreeConv and TreeScan (and the gated RMSNorm, which conftest swaps for its reference)
+        assert mamba["launches"] >= 2
+        assert 0 < mamba["ops"] < 60
+        commit = next(v for t, v in cpu[(model, "commit_5")]["per_layer"].items()
+                      if t.startswith("Mamba"))
+        assert commit["launches"] == 1  # SSM replay
+    assert all(r["gpu_path"] for r in rows)
