@@ -98,14 +98,15 @@ def test_compiled_steps_over_a_state_pool(monkeypatch):
         [t for c in pool.layers.values() for t in vars(c).values()], others))
 
 
-def test_generate_compiled_greedy_tokens_equal_eager(monkeypatch):
+@pytest.mark.parametrize("drafter", ["static:2,2", "caterpillar:2,2,2"])
+def test_generate_compiled_greedy_tokens_equal_eager(monkeypatch, drafter):
     # the same fullgraph capture; a backend with no C++ compilation keeps the test fast
     monkeypatch.setattr(capture, "BACKEND", "aot_eager")
     torch.manual_seed(1)
     target = _model()
     draft = stree.patch(make_hybrid((), seed=11))
     prompt = torch.randint(0, VOCAB, (1, 6))
-    kw = dict(max_new_tokens=12, drafter="static:2,2")
+    kw = dict(max_new_tokens=12, drafter=drafter)
     eager = stree.generate(target, draft, prompt, **kw)
     compiled = stree.generate(target, draft, prompt, compile=True, **kw)
     assert compiled.sequences.tolist() == eager.sequences.tolist()
