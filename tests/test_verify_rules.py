@@ -313,4 +313,8 @@ def test_sample_from_unnormalised_and_zero_rows():
     w = torch.tensor([[0.0, 3.0, 1.0, 0.0]]).expand(40_000, -1)
     freq = torch.bincount(sample_from(w, g), minlength=4).float() / w.shape[0]
     assert freq[0] == 0 and freq[3] == 0 and abs(freq[1] - 0.75) < 0.02
-    assert sample_from(torch.zeros(3, 4), g).shape == (3,)   # masked rows must not raise
+    assert sample_from(torch.zeros(3, 4), g).tolist() == [0, 0, 0]  # masked rows must not raise
+    # any leading shape (drafters draw (b, w, count) children at once); the last token can win
+    w = torch.tensor([1.0, 0.0, 1.0]).expand(2, 3, 4000, 3)
+    draws = sample_from(w, g)
+    assert draws.shape == (2, 3, 4000) and set(draws.unique().tolist()) == {0, 2}
