@@ -74,6 +74,16 @@ def test_level_widths_count_the_new_nodes_of_each_level():
     assert level_widths(parse_drafter("static:D").parents) == [1, 4, 2, 2]
 
 
+def test_auto_reports_which_nodes_its_chosen_tree_ran():
+    # the draft commit runs a path's last node first when the draft never ran it (a
+    # caterpillar's leaves): auto must answer for the tree it drafted, not by its prefix
+    auto = AutoDrafter(("caterpillar:2,2,2",), ForwardCost(0.0, 1e-3, 1e-2), **COSTS)
+    cat = parse_drafter("caterpillar:2,2,2")
+    assert auto.num_forwarded == cat.num_forwarded == 4
+    assert [auto.ran(i) for i in range(7)] == [cat.ran(i) for i in range(7)] == [
+        True, True, False, True, False, False, False]
+
+
 def test_measured_step_time_scales_predictions_then_replaces_them():
     now = [0.0]
     auto = AutoDrafter(("chain:2", "chain:6"), ForwardCost(0.0, 1e-3, 1e-2),
