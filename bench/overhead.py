@@ -222,31 +222,26 @@ def profile_call(fn, cuda: bool):
     return out, scopes, top_total
 
 
-def _aten_parent(e):
+def _ancestor(e, prefix: str):
+    """The nearest enclosing profiler event whose name starts with ``prefix``, or None."""
     p = e.cpu_parent
     while p is not None:
-        if p.name.startswith("aten::"):
+        if p.name.startswith(prefix):
             return p
         p = p.cpu_parent
     return None
 
 
+def _aten_parent(e):
+    return _ancestor(e, "aten::")
+
+
 def _in_launch(e):
-    p = e.cpu_parent
-    while p is not None:
-        if p.name.startswith(LAUNCH):
-            return True
-        p = p.cpu_parent
-    return False
+    return _ancestor(e, LAUNCH) is not None
 
 
 def _in_scope(e):
-    p = e.cpu_parent
-    while p is not None:
-        if p.name.startswith(SCOPE):
-            return True
-        p = p.cpu_parent
-    return False
+    return _ancestor(e, SCOPE) is not None
 
 
 def measure(name: str, fn, setup, args, cuda: bool) -> dict:
