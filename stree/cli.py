@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "ar-tree", "unrolled"],
                    help="ar: the model's own autoregressive decoding; ar-tree: stree's 1-node tree path")
     g.add_argument("--tree", default=None,
-                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | dyspec:N[:D] | "
+                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | caterpillar:C1,C2,... | dyspec:N[:D] | "
                         "dyspec-paper:N | dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
-                        "(default: fig4a; chain:4 for --method chain)")
+                        "(default: caterpillar:2,2,2,2,2 on a CPU, fig4a on a GPU; chain:4 for "
+                        "--method chain)")
     g.add_argument("--verifier", default=None,
                    choices=["greedy", "mss", "naive", "sps", "asps", "mss+asps"],
                    help="default: the lossless one for the sampling config and drafter "
@@ -132,11 +133,11 @@ def run_generate(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     # Validate the cheap things before loading models: sampling values, tree spec, verifier pair.
-    drafter = None if no_draft else (args.tree or ("chain:4" if args.method == "chain" else None))
-    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p),
-            args.compile)
-    text = read_prompt(args)
     device = torch.device(args.device)
+    drafter = None if no_draft else args.tree  # None: generate's default for the method and device
+    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p),
+            args.compile, device)
+    text = read_prompt(args)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     ids = encode_prompt(tokenizer, text, model_config(args.target).get("bos_token_id"))

@@ -12,7 +12,8 @@ whose continuation is repetitive, the second branch of a small tree is never tak
 tau equals the chain's; on the next problems it is 5-25% higher), so one prompt would show the
 prompt more than the method.
 
-The tree is chosen for the device, as STree's cost analysis (Eq. 7/8: time per token = t(N) / tau)
+The tree is chosen for the device (``stree.generate.default_drafter``, also the library's and the
+CLI's default), as STree's cost analysis (Eq. 7/8: time per token = t(N) / tau)
 says: on a GPU a verify pass costs about the same for 1 or 63 nodes, so the bushier Fig. 4a tree
 (13 nodes) pays; on a 2-core CPU every node the draft runs costs a draft step, and a draft level of
 2 nodes costs close to two of 1. So the CPU tree is a caterpillar (``caterpillar:2,2,2,2,2``): the
@@ -37,15 +38,15 @@ import torch
 DEFAULT_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "models", "stree-tiny")
 FALLBACK_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
-TREES = {"cuda": ("STree (fig4a)", "static:fig4a"), "cpu": ("STree (caterpillar 2x5)",
-                                                           "caterpillar:2,2,2,2,2")}
 
 
 def methods(device: torch.device) -> list[tuple[str, str, str | None]]:
     """(label, generate method, drafter) of the three rows, the tree chosen for the device."""
-    label, tree = TREES["cuda" if device.type == "cuda" else "cpu"]
+    from stree.generate import default_drafter
+
+    tree = default_drafter("tree", device)
     return [("autoregressive (model's own)", "ar", None), ("chain SD (K=4)", "chain", "chain:4"),
-            (label, "tree", tree)]
+            (f"STree ({tree.removeprefix('static:')})", "tree", tree)]
 
 
 def build_parser(parser=None) -> argparse.ArgumentParser:

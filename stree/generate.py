@@ -41,7 +41,18 @@ from stree.verify import default_verifier, get_verifier
 METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
 COMPILED_METHODS = ("tree", "chain", "ar-tree")
 COMPILED_SEQLEN_STEP = 512  # compile=True rounds the default max_seqlen up to a multiple of this
-DEFAULT_DRAFTERS = {"tree": "static:fig4a", "unrolled": "static:fig4a", "chain": "chain:4"}
+
+
+def default_drafter(method: str, device: torch.device | str | None = None) -> str:
+    """The drafter spec a method runs when none is given. For "tree", the one the device's
+    costs favour (STree's Eq. 7/8, time per token = t(N) / tau): on a GPU a verify costs about the
+    same for 1 or 13 nodes, so Fig. 4a's 13-node tree; elsewhere every node the draft runs costs
+    a draft step, so a caterpillar whose draft runs one node per level (README: Benchmarks)."""
+    if method == "chain":
+        return "chain:4"
+    if method == "tree" and torch.device(device or "cpu").type != "cuda":
+        return "caterpillar:2,2,2,2,2"
+    return "static:fig4a"
 
 
 @dataclass
@@ -70,7 +81,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         temperature, top_k, top_p: target sampling (``temperature == 0``: greedy).
         eos_token_id: a row stops after emitting it (or any of a list).
         drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
-            ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method.
+            ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method and
+            device (:func:`default_drafter`).
         verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | "mss+asps" | a verifier object;
             None picks the lossless default for the sampling config and draft mode (``mss+asps``
             for ``drafter="auto"`` at T > 0: ASpS on its chains, MSS on its trees).
@@ -95,11 +107,11 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     sampling = SamplingConfig(temperature, top_k, top_p)
-    drafter, verifier = resolve(method, drafter, verifier, sampling, compile)
+    device = _device(target)
+    drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device)
     if drafter.uses_draft_model:
         _check_vocab(target, draft)
         drafter.prepare(target, draft)
-    device = _device(target)
     prompts = _as_prompts(input_ids, device)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -137,8 +149,10 @@ def _finish(prompts, new, stats, start: float, eos: set[int], pad_token_id) -> G
     return _pack(prompts, new, pad, stats)
 
 
-def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: bool = False):
-    """The (drafter with its draft mode fixed, verifier) pair ``generate`` will run.
+def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: bool = False,
+            device=None):
+    """The (drafter with its draft mode fixed, verifier) pair ``generate`` will run on ``device``
+    (which picks the default drafter, :func:`default_drafter`).
 
     With no verifier, the drafter's preferred mode and its default lossless verifier. With a
     verifier, top-k children where it is lossless with them (greedy sampling, naive), else the
@@ -150,7 +164,7 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
             raise ValueError(f"method {method!r} drafts and verifies nothing: leave drafter and verifier None")
         drafter = StaticTreeDrafter((-1,), mode="deterministic", name="none")
     else:
-        drafter = parse_drafter(drafter if drafter is not None else DEFAULT_DRAFTERS[method])
+        drafter = parse_drafter(drafter if drafter is not None else default_drafter(method, device))
     if method == "chain" and not isinstance(drafter, ChainDrafter):
         raise ValueError(f"method 'chain' needs a chain drafter ('chain:K'), got {drafter.name!r}")
     modes = drafter.modes(sampling)

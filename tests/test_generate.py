@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from stree.draft import parse_drafter
-from stree.generate import generate, resolve
+from stree.generate import default_drafter, generate, resolve
 from stree.sampling import SamplingConfig
 from stree.verify import MSSVerifier
 from tests.fakes import FakeCache, FakeLM, greedy_reference, target_probs_of_prefix
@@ -295,3 +295,12 @@ def test_distribution_test_catches_a_wrong_rule():
                    generator=torch.Generator().manual_seed(0))
     expect = _expected(target, prompt, rows)
     assert chisquare(_joint(out, prompt, 3, v).double(), expect).pvalue < 1e-6
+
+
+def test_default_drafter_follows_the_method_and_device(target, draft):
+    assert default_drafter("tree", "cuda") == default_drafter("unrolled", "cpu") == "static:fig4a"
+    assert default_drafter("tree", torch.device("cpu")) == "caterpillar:2,2,2,2,2"
+    assert default_drafter("chain", "cuda") == "chain:4"
+    out = generate(target, draft, PROMPTS, 8)  # CPU models: the caterpillar
+    assert out.stats.drafter == "caterpillar:2,2,2,2,2"
+    assert resolve("tree", None, None, SamplingConfig(), device="cuda")[0].name == "static:fig4a"
