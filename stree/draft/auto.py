@@ -15,9 +15,9 @@ predicted from a running acceptance profile:
   measured tau (decayed running mean) replaces the prediction.
 
 Candidates (default): chains ``chain:1..6``, the static presets, caterpillars of depth 4 to 6 and
-``dyspec:8/16/32``. A switch
-needs a predicted gain of ``switch_margin`` (3%) to avoid flapping. Draft level costs follow the
-level mechanism: each level forwards only its new nodes (``level_widths``).
+``dyspec:8/16/32``. A switch needs a predicted gain of ``switch_margin`` (3%) to avoid flapping.
+Draft level costs follow the level mechanism: each level forwards only the nodes it runs
+(``level_widths``).
 
 The cost model times ``tree_forward`` alone; a step in the decoding loop also pays the commits,
 the verifier, the loop and CPU caches the other model evicted. So the drafter also times whole
