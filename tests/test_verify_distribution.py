@@ -21,6 +21,7 @@ from stree.draft_types import Draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
 from stree.tree import TokenTree
 from stree.verify import get_verifier
+from stree.verify import base
 from stree.verify.base import NodeStep, Verdict, walk
 
 V = 4
@@ -173,9 +174,18 @@ def _id(case):
     return f"{name}-{mode}-{'x'.join(map(str, widths))}-T{s.temperature}-k{s.top_k}-p{s.top_p}"
 
 
+@pytest.fixture(params=["batched", "per_depth"])
+def walk_mode(request, monkeypatch):
+    """Both ways ``walk`` runs a node rule: over every node at once, or per depth at the node
+    each row reached (chosen by size; forced here)."""
+    cap = 1 << 62 if request.param == "batched" else 0
+    monkeypatch.setattr(base, "BATCHED_MAX_ELEMENTS", {"cpu": cap, "cuda": cap})
+    return request.param
+
+
 @pytest.mark.parametrize("peaked", [False, True], ids=["random_q", "peaked_q"])
 @pytest.mark.parametrize("case", LOSSLESS, ids=[_id(c) for c in LOSSLESS])
-def test_lossless(case, peaked):
+def test_lossless(case, peaked, walk_mode):
     name, mode, widths, sampling = case
     m = make_models(seed=11, peaked_q=peaked)
     counts = simulate(m, widths, mode, run_verifier(name, sampling), seed=5, sampling=sampling)
@@ -273,7 +283,7 @@ def test_without_replacement_rule_skips_copies_of_rejected_siblings():
 
 
 @pytest.mark.parametrize("bug", list(NEGATIVE))
-def test_negative_control_is_detected(bug):
+def test_negative_control_is_detected(bug, walk_mode):
     c = NEGATIVE[bug]
     m = make_models(seed=11, peaked_q=True)
     counts = simulate(m, c["widths"], c["mode"], c["verify"], seed=5, sampling=T1,

@@ -318,3 +318,23 @@ def test_sample_from_unnormalised_and_zero_rows():
     w = torch.tensor([1.0, 0.0, 1.0]).expand(2, 3, 4000, 3)
     draws = sample_from(w, g)
     assert draws.shape == (2, 3, 4000) and set(draws.unique().tolist()) == {0, 2}
+
+
+def test_walk_runs_the_rule_once_over_every_node_or_once_per_depth(monkeypatch):
+    from stree.verify import base
+
+    tree = TokenTree(torch.tensor([TOKENS]), PARENTS)  # depth 4: five rounds per-depth
+    logits = torch.randn(1, len(PARENTS), V)
+    calls = []
+
+    def rule(step):
+        calls.append(step.logits.shape[0])
+        return torch.full((step.logits.shape[0],), -1), step.logits.argmax(-1)
+
+    verdict = base.walk(Draft(tree, None, "deterministic"), logits, rule)
+    assert calls == [len(PARENTS)]  # small: one batched call over every node
+    assert verdict.next_token.tolist() == [int(logits[0, 0].argmax())]
+    monkeypatch.setattr(base, "BATCHED_MAX_ELEMENTS", {"cpu": 0, "cuda": 0})
+    calls.clear()
+    base.walk(Draft(tree, None, "deterministic"), logits, rule)
+    assert calls == [1] * (int(tree.max_depth) + 1)  # large: the reached node, per depth

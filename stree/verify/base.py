@@ -4,9 +4,9 @@ Every verifier walks the drafted tree from the root: at the current node ``u`` i
 target logits after the root-to-``u`` path and at ``u``'s children (draft order = index order), and
 either accepts one child and moves there, or emits one target token (a correction, or a bonus when
 ``u`` is a leaf) and stops. Only that per-node decision differs between verifiers (a ``NodeRule``).
-The rule runs once over every node of the tree (batched over rows and nodes), then the walk
-follows its decisions from the root with a static trip count (``max_depth + 1``), so it runs on the
-device without per-step host syncs.
+The rule runs batched over rows (and, for small trees and vocabularies, over every node at once)
+and the walk has a static trip count (``max_depth + 1``), so it runs on the device without
+per-step host syncs.
 """
 from __future__ import annotations
 
@@ -113,46 +113,75 @@ def validate(draft: Draft, target_logits: Tensor, need_q: bool) -> None:
         raise ValueError(f"drafted tokens must lie in [0, {v}) (the logits' vocab size)")
 
 
+# Largest ``b * n * v`` whose node rule runs batched over every node at once (see ``walk``):
+# measured on a 2-core CPU, batching wins 3x at 9 nodes x 4096 tokens, ties at 13 x 128k and
+# loses 2-6x at 63 x 50k-128k, where the rule's passes over every node's vocabulary cost more than
+# the per-depth rounds they replace. On a GPU (launch-bound) the larger cap is a guess bounding
+# the rule's temporaries (a few of 64 MB), not a measurement.
+BATCHED_MAX_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
+
+
 def walk(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
     """Walk every row from the root, applying ``rule`` at each node. Shapes as in ``Verdict``.
 
-    The rule runs once, batched over every node of every row (``b * n`` rows of one
-    ``NodeStep``), and the walk then follows the decisions from the root. Same distribution as
-    deciding node by node along the walk: a node's decision depends only on its own logits, q,
-    children and fresh randomness, and every node draws its own, so the decisions of the nodes
-    the walk visits are independent draws of the rule, whichever nodes it visits. A handful of
-    batched ops replace ``depth + 1`` rounds of the rule (the verify step of a sampled tree
-    cost 2-4 ms in those rounds on a CPU, a launch-bound sequence on a GPU); the extra work is the
-    rule on nodes the walk never reaches, one ``(b * n, v)`` pass per op.
+    The rule runs either once, batched over every node of every row (``b * n`` rows of one
+    ``NodeStep``: a handful of large ops instead of ``depth + 1`` rounds of small ones), or per
+    depth at the node each row has reached, whichever ``BATCHED_MAX_ELEMENTS`` says is cheaper
+    for the tree's size and vocabulary. Both have the node-by-node walk's distribution: a node's
+    decision depends only on its own logits, q, children and fresh randomness, and every node
+    draws its own, so the decisions of the nodes the walk visits are independent draws of the
+    rule, whichever other nodes were decided.
     """
     tree = draft.tree
     device = target_logits.device
     tokens = tree.tokens.to(device)
     b, n, v = target_logits.shape
     table = children_table(tree.parents.to(device), getattr(tree, "max_children", None))  # (b, n, c)
-    c = table.shape[2]
-    valid = table >= 0
-    step = NodeStep(
-        logits=target_logits.reshape(b * n, v).float(),
-        q=None if draft.q is None else draft.q.reshape(b * n, v).float(),
-        child_tokens=tokens.gather(1, table.clamp_min(0).view(b, n * c)).view(b * n, c)
-        .masked_fill(~valid.view(b * n, c), 0),
-        child_valid=valid.view(b * n, c),
-    )
-    slot, token = (t.view(b, n) for t in rule(step))
-    # each node's accepted child, or -1 where the walk stops there
-    accepted = torch.where(slot >= 0, table.gather(2, slot.clamp_min(0).unsqueeze(2)).squeeze(2), -1)
+    rows = torch.arange(b, device=device)
+
+    def decide(nodes: Tensor) -> tuple[Tensor, Tensor]:
+        """The rule at ``nodes (b, m)``: (accepted child's column or -1, token), each (b, m)."""
+        m = nodes.shape[1]
+        kids = table[rows[:, None], nodes]                                      # (b, m, c)
+        valid = kids >= 0
+        step = NodeStep(
+            logits=target_logits[rows[:, None], nodes].reshape(b * m, v).float(),
+            q=None if draft.q is None else draft.q[rows[:, None], nodes].reshape(b * m, v).float(),
+            child_tokens=tokens.gather(1, kids.clamp_min(0).flatten(1)).view(b * m, -1)
+            .masked_fill(~valid.view(b * m, -1), 0),
+            child_valid=valid.view(b * m, -1),
+        )
+        return tuple(t.view(b, m) for t in rule(step))
+
     steps = int(tree.max_depth) + 1
     path = torch.full((b, steps), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
-    node = path[:, 0]
-    for d in range(1, steps):
-        node = torch.where(node >= 0, accepted.gather(1, node.clamp_min(0).unsqueeze(1)).squeeze(1), -1)
-        path[:, d] = node
-    # Depth max_depth nodes are leaves (slot -1), so every row stops by then.
-    num_accepted = (path >= 0).sum(1) - 1
-    last = path.gather(1, num_accepted.unsqueeze(1))
-    return Verdict(path=path, num_accepted=num_accepted, next_token=token.gather(1, last).squeeze(1))
+    if b * n * v <= BATCHED_MAX_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]:
+        slot, token = decide(torch.arange(n, device=device).expand(b, n))
+        # each node's accepted child, or -1 where the walk stops there; then chase the pointers
+        nxt = torch.where(slot >= 0, table.gather(2, slot.clamp_min(0).unsqueeze(2)).squeeze(2), -1)
+        node = path[:, 0]
+        for d in range(1, steps):
+            node = torch.where(node >= 0, nxt.gather(1, node.clamp_min(0).unsqueeze(1)).squeeze(1), -1)
+            path[:, d] = node
+        num_accepted = (path >= 0).sum(1) - 1
+        last = path.gather(1, num_accepted.unsqueeze(1))
+        return Verdict(path=path, num_accepted=num_accepted, next_token=token.gather(1, last).squeeze(1))
+    node = torch.zeros(b, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    next_token = torch.zeros(b, dtype=torch.long, device=device)
+    for d in range(steps):
+        slot, token = (t.squeeze(1) for t in decide(node.unsqueeze(1)))
+        accepted = ~done & (slot >= 0)
+        stopped = ~done & (slot < 0)
+        next_token = torch.where(stopped, token, next_token)
+        child = table[rows, node].gather(1, slot.clamp_min(0).unsqueeze(1)).squeeze(1)
+        node = torch.where(accepted, child, node)
+        if d + 1 < steps:
+            path[:, d + 1] = torch.where(accepted, node, -1)
+        done = done | stopped
+    # Depth max_depth nodes are leaves, so every row has stopped by now.
+    return Verdict(path=path, num_accepted=(path >= 0).sum(1) - 1, next_token=next_token)
 
 
 def first_match(step: NodeStep, token: Tensor) -> Tensor:
