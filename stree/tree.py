@@ -223,6 +223,19 @@ def parents_from_widths(widths: Sequence[int]) -> list[int]:
     return parents
 
 
+def level_runs(parents: Sequence[int]) -> list[tuple[int, int]]:
+    """What a drafter runs of a layer-ordered tree: per layer above the deepest, ``(first node,
+    one past its last node with children)``. Leaves listed after a layer's last inner node (a
+    caterpillar's, the unused tail of a pruned layer) are never run."""
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents[1:], start=1):
+        depth[i] = depth[p] + 1
+    last = {}
+    for p in parents[1:]:  # parents, hence inner nodes, in index order
+        last[depth[p]] = max(last.get(depth[p], p), p)
+    return [(depth.index(d), last[d] + 1) for d in range(max(depth))]
+
+
 def parents_caterpillar(children: Sequence[int]) -> list[int]:
     """Parent list of a chain (the spine) with leaves on it: the spine node at depth ``d`` has
     ``children[d]`` children, the first of which continues the spine; each layer lists its spine

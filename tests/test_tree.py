@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stree.tree import TokenTree, parents_from_widths
+from stree.tree import TokenTree, level_runs, parents_caterpillar, parents_from_widths
 
 
 def brute_tables(parents):
@@ -98,3 +98,9 @@ def test_max_children_is_per_row():
     assert tree.max_children == 3
     assert TokenTree(torch.zeros(4, 3, dtype=torch.long), [-1, 0, 1]).max_children == 1
     assert TokenTree(torch.zeros(2, 1, dtype=torch.long), [-1]).max_children == 0
+
+
+def test_level_runs_stop_at_each_layers_last_inner_node():
+    assert level_runs([-1]) == []
+    assert level_runs(parents_caterpillar([3, 2, 2])) == [(0, 1), (1, 2), (4, 5)]  # spines only
+    assert level_runs(parents_from_widths([4, 4, 2, 2])) == [(0, 1), (1, 5), (5, 7), (9, 11)]

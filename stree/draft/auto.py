@@ -40,7 +40,7 @@ from stree.costmodel import ForwardCost, forward_cost
 from stree.draft.base import Drafter
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
-from stree.tree import TokenTree
+from stree.tree import TokenTree, level_runs
 
 DEFAULT_CANDIDATES = ("chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
                       "static:fig4a", "static:B", "static:C", "static:D", "static:E",
@@ -124,14 +124,9 @@ def best_tree(budget: int, p: list[float]) -> list[int]:
 
 
 def level_widths(parents) -> list[int]:
-    """Nodes each draft level forwards, for d = 0 .. depth - 1 (the deepest layer never runs):
-    layer d from its first node to its last node with children, as a static drafter runs it
-    (leaves listed after a layer's inner nodes, like a caterpillar's, never run)."""
-    depth = [0] * len(parents)
-    for i, par in enumerate(parents[1:], start=1):
-        depth[i] = depth[par] + 1
-    inner = set(parents[1:])
-    return [max(i for i in inner if depth[i] == d) + 1 - depth.index(d) for d in range(max(depth))]
+    """Nodes each draft level runs (:func:`stree.tree.level_runs`, as a static drafter runs
+    them: the deepest layer and leaves after a layer's last inner node never run)."""
+    return [e - s for s, e in level_runs(parents)]
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ from torch import Tensor
 from stree.draft.base import SAMPLED_MODES, Drafter, forward_level, pick_children
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
-from stree.tree import TokenTree, parents_from_widths
+from stree.tree import TokenTree, level_runs, parents_from_widths
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class StaticTreeDrafter(Drafter):
             seen[p] = rank[i] + 1
         col = [0] + [p - bounds[depth[p]][0] for p in parents[1:]]
         fanout = tuple(max((seen.get(p, 0) for p in range(s, e)), default=0) for s, e in bounds)
-        run_end = tuple(1 + max(p for p in seen if s <= p < e) for s, e in bounds[:-1])
+        run_end = tuple(e for _, e in level_runs(parents))
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "_bounds", bounds)
         object.__setattr__(self, "_parent_col", tuple(col))

@@ -139,14 +139,18 @@ def walk(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
     table = children_table(tree.parents.to(device), getattr(tree, "max_children", None))  # (b, n, c)
     rows = torch.arange(b, device=device)
 
-    def decide(nodes: Tensor) -> tuple[Tensor, Tensor]:
-        """The rule at ``nodes (b, m)``: (accepted child's column or -1, token), each (b, m)."""
-        m = nodes.shape[1]
-        kids = table[rows[:, None], nodes]                                      # (b, m, c)
+    def decide(nodes: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The rule at ``nodes (b, m)`` (None: every node, read in place): (accepted child's
+        column or -1, token), each (b, m)."""
+        def at(t):
+            return t if nodes is None else t[rows[:, None], nodes]
+
+        kids = at(table)                                                        # (b, m, c)
+        m = kids.shape[1]
         valid = kids >= 0
         step = NodeStep(
-            logits=target_logits[rows[:, None], nodes].reshape(b * m, v).float(),
-            q=None if draft.q is None else draft.q[rows[:, None], nodes].reshape(b * m, v).float(),
+            logits=at(target_logits).reshape(b * m, v).float(),
+            q=None if draft.q is None else at(draft.q).reshape(b * m, v).float(),
             child_tokens=tokens.gather(1, kids.clamp_min(0).flatten(1)).view(b * m, -1)
             .masked_fill(~valid.view(b * m, -1), 0),
             child_valid=valid.view(b * m, -1),
@@ -157,7 +161,7 @@ def walk(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
     path = torch.full((b, steps), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
     if b * n * v <= BATCHED_MAX_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]:
-        slot, token = decide(torch.arange(n, device=device).expand(b, n))
+        slot, token = decide(None)
         # each node's accepted child, or -1 where the walk stops there; then chase the pointers
         nxt = torch.where(slot >= 0, table.gather(2, slot.clamp_min(0).unsqueeze(2)).squeeze(2), -1)
         node = path[:, 0]
