@@ -111,7 +111,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device)
     if drafter.uses_draft_model:
         _check_vocab(target, draft)
-        drafter.prepare(target, draft)
+        drafter.prepare(target, draft, sampling)
     prompts = _as_prompts(input_ids, device)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -11,8 +11,10 @@ from scipy.stats import chisquare
 
 from stree.costmodel import ForwardCost, forward_cost
 from stree.draft import parse_drafter
-from stree.draft.auto import AcceptanceProfile, AutoDrafter, best_tree, expected_tau, level_widths
+from stree.draft.auto import (AcceptanceProfile, AutoDrafter, AutoMemory, Ratio, best_tree,
+                              expected_tau, forget, level_widths)
 from stree.generate import generate
+from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from tests.fakes import FakeLM, greedy_reference, target_probs_of_prefix
 
@@ -23,6 +25,10 @@ def profile(hazards, weight=1e6) -> AcceptanceProfile:
     h = list(hazards) + [0.0] * (pr.max_rank - len(hazards))
     pr.events, pr.at_risk = [x * weight for x in h], [weight] * pr.max_rank
     return pr
+
+
+def memory(hazards, weight=1e6) -> AutoMemory:
+    return AutoMemory(profile(hazards, weight))
 
 
 def test_expected_tau_by_hand():
@@ -56,7 +62,7 @@ COSTS = dict(draft_cost=ForwardCost(0.0, 1e-5, 1e-4))
 
 
 def test_eq7_step_time_and_tau_of_a_chain():
-    auto = AutoDrafter(target_cost=ForwardCost(0.0, 2e-3, 1e-2), profile=profile([0.8]), **COSTS)
+    auto = AutoDrafter(target_cost=ForwardCost(0.0, 2e-3, 1e-2), memory=memory([0.8]), **COSTS)
     tau, seconds = auto.predict("chain:4")
     assert tau == pytest.approx(1 + 0.8 + 0.8 ** 2 + 0.8 ** 3 + 0.8 ** 4, rel=1e-5)
     # each of the 4 draft levels forwards one new node; the deepest node is never forwarded
@@ -84,32 +90,79 @@ def test_auto_reports_which_nodes_its_chosen_tree_ran():
         True, True, False, True, False, False, False]
 
 
-def test_measured_step_time_scales_predictions_then_replaces_them():
-    now = [0.0]
+def test_measured_ratios_scale_predictions_then_outweigh_the_model():
     auto = AutoDrafter(("chain:2", "chain:6"), ForwardCost(0.0, 1e-3, 1e-2),
-                       profile=profile([0.9]), clock=lambda: now[0], min_runs=4, **COSTS)
-    model6 = auto.model("chain:6")[1]
-    auto._current = "chain:6"
-    for _ in range(3):  # three whole steps, each twice the modelled time
-        auto._time_step("chain:6", 2 * model6)
-    tau2, seconds2 = auto.predict("chain:2")
-    assert seconds2 == pytest.approx(2 * auto.model("chain:2")[1])  # the ratio carries over
-    for _ in range(5):  # then chain:2 measures its model's time and chain:6 10x its model's:
-        auto._time_step("chain:2", auto.model("chain:2")[1])  # their own times take over
-        auto._time_step("chain:6", 10 * model6)
-    assert auto.predict("chain:2")[1] == pytest.approx(auto.model("chain:2")[1])
-    assert auto.predict("chain:6")[1] > 5 * model6
+                       memory=memory([0.9]), prior_steps=4, optimism=0.0, **COSTS)
+    (tau2, model2), (tau6, model6) = auto.model("chain:2"), auto.model("chain:6")
+    assert auto.predict("chain:2") == pytest.approx((tau2, model2))  # nothing measured: the model
+    mem, decay = auto.memory, auto.memory.profile.decay
+    for _ in range(3):  # three whole chain:6 steps, each twice the modelled time
+        mem.scale.add(2 * model6, model6, decay)
+        mem.times.setdefault("chain:6", Ratio()).add(2 * model6, model6, decay)
+    assert auto.predict("chain:2")[1] == pytest.approx(2 * model2)  # every step's ratio carries over
+    assert auto.predict("chain:6")[1] == pytest.approx(2 * model6)
+    assert auto.choose() == "chain:6"
+    for _ in range(300):  # then chain:2 takes its model's time, chain:6 10x its model's and
+        for spec, model, slow in (("chain:2", model2, 1), ("chain:6", model6, 10)):
+            mem.scale.add(slow * model, model, decay)
+            mem.times[spec] = mem.times.get(spec, Ratio())
+            mem.times[spec].add(slow * model, model, decay)
+        mem.taus.setdefault("chain:6", Ratio()).add(1.0, tau6, decay)  # accepts nothing
+    n2, n6, scale = mem.times["chain:2"].n, mem.times["chain:6"].n, mem.scale.value(1.0, 0.0)
+    assert auto.predict("chain:2")[1] == pytest.approx(model2 * (n2 + 4 * scale) / (n2 + 4))
+    assert auto.predict("chain:6")[1] == pytest.approx(model6 * (10 * n6 + 4 * scale) / (n6 + 4),
+                                                       rel=1e-3)  # (the first 3 steps: 2x)
+    k6 = mem.taus["chain:6"].n  # its measured tau: 1 token per step against the model's tau6
+    assert auto.predict("chain:6")[0] == pytest.approx(tau6 * (k6 / tau6 + 4) / (k6 + 4))
     assert auto.choose() == "chain:2"  # the long chain's tau no longer pays for its time
 
+
+def test_measured_tau_is_a_ratio_to_the_model_so_easy_prompts_do_not_favour_a_candidate():
+    # chain:2 measured while acceptance was high, as the model said: no correction, and once
+    # acceptance drops its prediction drops with the model's
+    auto = AutoDrafter(("chain:2", "chain:4"), ForwardCost(0.0, 1e-3, 1e-2),
+                       memory=memory([0.9], weight=50), prior_steps=4, **COSTS)
+    chain = TokenTree(torch.zeros(1, 3, dtype=torch.long), [-1, 0, 1])
+    auto.memory.current = "chain:2"
+    auto._step_model = auto.model("chain:2")
+    auto.observe(chain, torch.tensor([[0, 1, 2]]))  # all accepted: 3 tokens
+    high = auto.memory.taus["chain:2"].value(1.0, 0.0)
+    assert high == pytest.approx(3 / auto._step_model[0])
+    for _ in range(100):  # hard text: nothing accepted, by a chain:4 run
+        auto.memory.current = "chain:4"
+        auto._step_model = auto.model("chain:4")
+        auto.observe(TokenTree(torch.zeros(1, 5, dtype=torch.long), [-1, 0, 1, 2, 3]),
+                     torch.tensor([[0, -1, -1, -1, -1]]))
+    tau2_model = auto.model("chain:2")[0]
+    assert tau2_model < 1.3  # the profile learnt the hard text
+    # chain:2's ratio still says the model is right: its prediction is the low model value
+    assert auto.predict("chain:2")[0] == pytest.approx(
+        tau2_model * (1 * high + 4) / (1 + 4), rel=1e-6)
+
+
+def test_optimism_tries_a_near_miss_once_then_trusts_its_measurement():
+    auto = AutoDrafter(("chain:3", "chain:4"), ForwardCost(0.0, 1e-3, 1e-2),
+                       memory=memory([0.8]), **COSTS)
+    rate = {c: auto.model(c)[0] / auto.model(c)[1] for c in auto.candidates}
+    best, other = sorted(rate, key=rate.get, reverse=True)
+    assert rate[other] > rate[best] / 1.2  # within the untried bonus of each other
+    mem, decay = auto.memory, auto.memory.profile.decay
+    for _ in range(30):  # the best is run and measured as modelled
+        mem.times.setdefault(best, Ratio()).add(auto.model(best)[1], auto.model(best)[1], decay)
+    assert auto.choose() == other  # untried: its 20% bonus beats the measured one's
+    for _ in range(30):  # tried: 30% slower than its model
+        mem.times.setdefault(other, Ratio()).add(1.3 * auto.model(other)[1],
+                                                 auto.model(other)[1], decay)
+    assert auto.choose() == best
 
 
 def test_draft_times_the_wall_clock_between_consecutive_calls():
     now = [0.0]
-    auto = AutoDrafter(("chain:2",), ForwardCost(0.0, 1e-3, 1e-2), profile=profile([0.9]),
+    auto = AutoDrafter(("chain:2",), ForwardCost(0.0, 1e-3, 1e-2), memory=memory([0.9]),
                        clock=lambda: now[0], **COSTS)
 
-    class Stub:  # stands in for the chosen chain:2: its shape and draft() are all auto reads
-        parents = (-1, 0, 1)
+    class Stub:  # stands in for the chosen chain:2: its shape, mode and draft() are all auto reads
+        parents, mode = (-1, 0, 1), "chain"
 
         def draft(self, *args):
             return "draft"
@@ -118,36 +171,92 @@ def test_draft_times_the_wall_clock_between_consecutive_calls():
     for t in (1.0, 1.5, 2.25):  # steps of 0.5 s and 0.75 s; the first call starts the clock
         now[0] = t
         assert auto.draft(None, None, None, None) == "draft"
-    steps, seconds = auto._timed["chain:2"]
-    decay = auto.profile.decay
-    assert steps == pytest.approx(decay + 1) and seconds == pytest.approx(0.5 * decay + 0.75)
-    auto.prepare(None, None)  # a new generation: the gap before its first step is not timed
+    timed = auto.memory.times["chain:2"]
+    decay = auto.memory.profile.decay
+    assert timed.n == pytest.approx(decay + 1)
+    assert timed.measured == pytest.approx(0.5 * decay + 0.75)
+    assert timed.modelled == pytest.approx((decay + 1) * auto.model("chain:2")[1])
+    auto.prepare(None, None, SamplingConfig())  # a new generation: the gap before its first step is not timed
     now[0] = 100.0
     auto.draft(None, None, None, None)
-    assert auto._timed["chain:2"][0] == pytest.approx(decay + 1)
+    assert auto.memory.times["chain:2"].n == pytest.approx(decay + 1)
 
 
 
 def test_flat_verify_cost_picks_a_big_tree_steep_cost_a_chain():
     h = [0.6, 0.3, 0.2, 0.1]
-    flat = AutoDrafter(target_cost=ForwardCost(0.0, 1e-6, 1e-1), profile=profile(h), **COSTS)
+    flat = AutoDrafter(target_cost=ForwardCost(0.0, 1e-6, 1e-1), memory=memory(h), **COSTS)
     assert flat.choose() == "dyspec:32"  # constant cost (weights dominate): most tokens per call
-    steep = AutoDrafter(target_cost=ForwardCost(1e-3, 1e-2, 1e-3), profile=profile(h), **COSTS)
+    steep = AutoDrafter(target_cost=ForwardCost(1e-3, 1e-2, 1e-3), memory=memory(h), **COSTS)
     assert steep.choose().startswith("chain:")
     confident = AutoDrafter(("chain:2", "chain:6", "static:B"), ForwardCost(0.0, 1e-2, 5e-2),
-                            profile=profile([0.97]), **COSTS)
+                            memory=memory([0.97]), **COSTS)
     assert confident.choose() == "chain:6"  # the top token is nearly always right: a long chain
 
 
 def test_choice_follows_acceptance_drift():
-    auto = AutoDrafter(target_cost=ForwardCost(0.0, 1e-3, 2e-2), profile=profile([0.9, 0.5], 50),
+    auto = AutoDrafter(target_cost=ForwardCost(0.0, 1e-3, 2e-2), memory=memory([0.9, 0.5], 50),
                        **COSTS)
-    auto._current = first = auto.choose()
+    auto.memory.current = first = auto.choose()
     tree = TokenTree(torch.zeros(1, 7, dtype=torch.long), [-1, 0, 1, 2, 3, 4, 5])
     for _ in range(200):  # the draft stops being accepted
         auto.observe(tree, torch.tensor([[0, -1, -1, -1, -1, -1, -1]]))
-        auto._current = auto.choose()
-    assert first != auto._current and auto.predict(auto._current)[0] < 1.2
+        auto.memory.current = auto.choose()
+        auto._step_model = auto.model(auto.memory.current)  # as draft() does
+    assert first != auto.memory.current and auto.predict(auto.memory.current)[0] < 1.2
+
+
+def test_at_t_above_0_each_draft_mode_predicts_from_its_own_verdicts():
+    # chains verified by ASpS may accept more than a tree's first children under MSS
+    auto = AutoDrafter(("chain:4", "caterpillar:2,2,2,2"), ForwardCost(0.0, 1e-4, 1e-2),
+                       memory=memory([0.6, 0.5]), **COSTS).with_mode("without_replacement")
+    assert [d.mode for d in auto._drafters.values()] == ["chain", "without_replacement"]
+    chain = TokenTree(torch.zeros(1, 5, dtype=torch.long), [-1, 0, 1, 2, 3])
+    for by_mode in (False, True):
+        auto.by_mode = by_mode
+        auto.memory.current = "chain:4"
+        auto._step_model = auto.model("chain:4")
+        for _ in range(20):  # every chain token accepted
+            auto.observe(chain, torch.tensor([[0, 1, 2, 3, 4]]))
+    pooled = auto.memory.profile.hazards()
+    own = auto.memory.by_mode["chain"].hazards(pooled)
+    assert own[0] > 0.95 and pooled[0] < 0.9  # the pooled profile's 1e6 tree verdicts hold it
+    assert auto.model("chain:4")[0] == pytest.approx(sum(own[0] ** k for k in range(5)))
+    assert auto.model("caterpillar:2,2,2,2")[0] == pytest.approx(
+        expected_tau(parse_drafter("caterpillar:2,2,2,2").parents, auto.memory.profile.rank_probs()))
+    auto.by_mode = False  # T = 0: one pooled profile for every mode
+    assert auto.model("chain:4")[0] == pytest.approx(sum(pooled[0] ** k for k in range(5)))
+
+
+def test_memory_carries_over_generate_calls_per_pair_and_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREE_CACHE", str(tmp_path))
+    forget()
+    target, draft = FakeLM(23), FakeLM(23, noise=1.5)
+    prompt = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+
+    def steps(m):
+        return sum(r.n for r in m.taus.values())
+
+    generate(target, draft, prompt, 24, drafter="auto")
+    (greedy,) = auto_memories(target, draft)
+    first = steps(greedy)
+    assert first > 0
+    generate(target, draft, prompt, 24, drafter="auto")  # the same memory, more steps in it
+    assert auto_memories(target, draft) == [greedy] and steps(greedy) > first
+    generate(target, draft, prompt, 24, drafter="auto", temperature=1.0,
+             generator=torch.Generator().manual_seed(0))  # another setting: its own memory
+    hot = [m for m in auto_memories(target, draft) if m is not greedy]
+    assert len(hot) == 1 and steps(greedy) > first and hot[0].by_mode
+    generate(target, draft, prompt, 24, drafter=AutoDrafter(remember=False))
+    assert len(auto_memories(target, draft)) == 2
+    forget()
+    assert auto_memories(target, draft) == []
+
+
+def auto_memories(target, draft) -> list[AutoMemory]:
+    from stree.draft.auto import _MEMORY
+
+    return list(_MEMORY.get(target, {}).get(draft, {}).values())
 
 
 def test_no_cost_model_is_an_error():
@@ -209,7 +318,6 @@ def test_generate_auto_is_lossless(tmp_path, monkeypatch):
 
 def test_compile_refuses_auto_with_dynamic_candidates():
     from stree.generate import resolve
-    from stree.sampling import SamplingConfig
 
     with pytest.raises(ValueError, match="fixed tree template"):
         resolve("tree", "auto", None, SamplingConfig(), compile=True)  # dyspec candidates

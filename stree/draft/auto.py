@@ -9,27 +9,48 @@ predicted from a running acceptance profile:
   reached and children ``0..k-1`` were not, estimated from every verdict (counts decay by
   ``decay`` per step, so the profile follows drift; a Beta prior fills unseen ranks). Depth is
   ignored (DySpec's assumption 2). ``p_k = h_k prod_{j<k} (1 - h_j)``.
+* At T > 0 children are drawn and verified by different rules per draft mode (a sampled chain
+  is verified by ASpS under ``mss+asps``, a tree's children by MSS), so each mode also keeps its
+  own profile, shrunk to the pooled one (``prior_weight`` nodes), and predicts its candidates
+  from it. At T = 0 every mode is verified by the same greedy rule and one pooled profile
+  serves all.
 * A fixed shape's tau is ``1 + sum over nodes of the product of p_rank along its path``; a
   dynamic budget ``dyspec:N`` is predicted by the best N-node tree under ``p`` (greedy, DySpec
-  Thm D.1), which it adapts per step; once a candidate has run ``min_runs`` steps its own
-  measured tau (decayed running mean) replaces the prediction.
+  Thm D.1), which it adapts per step.
+* The model misses in ways the profile cannot see (ASpS's acceptance grows with the chain's
+  length; acceptance is correlated along a path), so each candidate also keeps its measured
+  tau against the tau the model predicted for the same steps, and its prediction is the
+  model's times that ratio, shrunk to 1 as if the model had been right for ``prior_steps``
+  (8) steps. A ratio, not the measured tau itself: a candidate measured on an easy prompt is
+  not favoured on a hard one, since the model's tau moved with the prompt too.
 
 Candidates (default): chains ``chain:1..6``, the static presets, caterpillars of depth 4 to 6 and
 ``dyspec:8/16/32``. A switch needs a predicted gain of ``switch_margin`` (3%) to avoid flapping.
 Draft level costs follow the level mechanism: each level forwards only the nodes it runs
 (``level_widths``).
 
+What auto learns (profiles, measured taus and step times, its current choice) is an
+:class:`AutoMemory`, kept per target/draft pair, candidate set and sampling setting for the
+life of the two models: a later ``generate`` call with the same pair starts where the last
+one stopped, so learning and exploration are paid once per pair and setting, not once per
+prompt (``AutoDrafter(remember=False)`` or :func:`forget` for a cold start).
+
 The cost model times ``tree_forward`` alone; a step in the decoding loop also pays the commits,
 the verifier, the loop and CPU caches the other model evicted. So the drafter also times whole
 steps (the wall time between consecutive ``draft`` calls, ``clock``): the ratio of measured to
-predicted step time (decayed running mean, over all candidates) scales every prediction, and a
-candidate that has run ``min_runs`` steps uses its own measured step time, as it uses its own
-measured tau.
+predicted step time over all candidates scales every prediction, and each candidate's own
+ratio is shrunk to it as its tau ratio is shrunk to 1.
+
+Choices are made by optimism in the face of uncertainty: a candidate timed over ``n`` steps
+gets a bonus of ``optimism / sqrt(1 + n)`` (20%) on its predicted tokens per second, so the
+model's near misses are tried and then judged by their own measurements (a 10% bonus did worse
+on the shipped pair at T = 1; the README has the side-by-side figures).
 """
 from __future__ import annotations
 
 import heapq
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -63,17 +84,18 @@ class AcceptanceProfile:
         self.events = self.events or [0.0] * self.max_rank
         self.at_risk = self.at_risk or [0.0] * self.max_rank
 
-    def hazards(self) -> list[float]:
-        """``h_k``, with a prior of mean ``0.5 / (k + 1)`` worth ``prior_weight`` nodes."""
+    def hazards(self, prior: list[float] | None = None) -> list[float]:
+        """``h_k``, with a prior worth ``prior_weight`` nodes of mean ``prior[k]`` (default
+        ``0.5 / (k + 1)``)."""
         w, out = self.prior_weight, []
         for k, (e, r) in enumerate(zip(self.events, self.at_risk)):
-            mean = 0.5 / (k + 1)
+            mean = prior[k] if prior is not None else 0.5 / (k + 1)
             out.append((e + w * mean) / (r + w) if r + w > 0 else mean)
         return out
 
-    def rank_probs(self) -> list[float]:
+    def rank_probs(self, prior: list[float] | None = None) -> list[float]:
         out, alive = [], 1.0
-        for h in self.hazards():
+        for h in self.hazards(prior):
             out.append(alive * h)
             alive *= 1 - h
         return out
@@ -92,6 +114,64 @@ class AcceptanceProfile:
                     self.at_risk[k] += 1.0
                 if rank < min(len(kids), self.max_rank):
                     self.events[rank] += 1.0
+
+
+@dataclass
+class Ratio:
+    """Decayed sums of a quantity as measured and as the model predicted it when it was
+    measured, over ``n`` (decayed) observations."""
+
+    n: float = 0.0
+    measured: float = 0.0
+    modelled: float = 0.0
+
+    def add(self, measured: float, modelled: float, decay: float, n: float = 1.0) -> None:
+        self.n = self.n * decay + n
+        self.measured = self.measured * decay + measured
+        self.modelled = self.modelled * decay + modelled
+
+    def value(self, prior: float, weight: float) -> float:
+        """measured / modelled, shrunk to ``prior`` as if it had been seen ``weight`` times."""
+        if self.modelled <= 0 or self.n + weight <= 0:
+            return prior
+        return (self.n * self.measured / self.modelled + weight * prior) / (self.n + weight)
+
+
+@dataclass
+class AutoMemory:
+    """What auto has learnt for one target/draft pair, candidate set and sampling setting.
+
+    ``profile`` pools every verdict; ``by_mode`` (T > 0 only) holds each draft mode's own;
+    ``taus`` / ``times``: per candidate spec, its accepted tokens per row-step and its whole
+    step's seconds against the model's; ``scale``: step seconds against the model's over all
+    candidates; ``current``: the candidate running now.
+    """
+
+    profile: AcceptanceProfile = field(default_factory=AcceptanceProfile)
+    by_mode: dict[str, AcceptanceProfile] = field(default_factory=dict)
+    taus: dict[str, Ratio] = field(default_factory=dict)
+    times: dict[str, Ratio] = field(default_factory=dict)
+    scale: Ratio = field(default_factory=Ratio)
+    current: str | None = None
+
+
+# target -> draft -> (candidates, mode, sampling) -> AutoMemory; entries go with the models
+_MEMORY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def forget() -> None:
+    """Drop what every ``auto`` drafter has learnt (the next ``generate`` starts cold)."""
+    _MEMORY.clear()
+
+
+def _remembered(target, draft, key, fresh: AutoMemory) -> AutoMemory:
+    """The memory of ``key`` for this model pair, ``fresh`` stored as it if there is none (or
+    when the models cannot be weakly referenced)."""
+    try:
+        per_draft = _MEMORY.setdefault(target, weakref.WeakKeyDictionary())
+        return per_draft.setdefault(draft, {}).setdefault(key, fresh)
+    except TypeError:
+        return fresh
 
 
 def expected_tau(parents, p: list[float]) -> float:
@@ -134,24 +214,26 @@ class AutoDrafter(Drafter):
     """Picks among ``candidates`` (drafter specs) by predicted tokens per second.
 
     ``target_cost`` / ``draft_cost`` are measured by :meth:`prepare` unless given (tests inject
-    them, and ``clock``); ``profile`` is the running acceptance profile.
+    them, and ``clock``); ``memory`` is what it has learnt, replaced in :meth:`prepare` by the
+    memory kept for the model pair and sampling setting unless ``remember`` is False.
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     target_cost: ForwardCost | None = None
     draft_cost: ForwardCost | None = None
-    profile: AcceptanceProfile = field(default_factory=AcceptanceProfile)
+    memory: AutoMemory = field(default_factory=AutoMemory)
     mode: str | None = None
     switch_margin: float = 0.03
-    min_runs: int = 8
+    prior_steps: float = 8.0
+    optimism: float = 0.2
+    by_mode: bool = False  # one profile per draft mode (set by prepare at T > 0)
+    remember: bool = True
     clock: Callable[[], float] = time.perf_counter
     name: str = field(init=False, default="auto")
     _drafters: dict = field(init=False, repr=False)
-    _measured: dict = field(init=False, repr=False)
-    _timed: dict = field(init=False, repr=False)
-    _scale: tuple[float, float] = field(init=False, default=(0.0, 0.0))  # decayed sums
+    _shapes: dict = field(init=False, repr=False)  # spec -> (parents, level widths), fixed shapes
     _step_start: float | None = field(init=False, default=None)
-    _current: str | None = field(init=False, default=None)
+    _step_model: tuple[float, float] | None = field(init=False, default=None)  # (tau, s) now
 
     def __post_init__(self):
         from stree.draft.presets import parse_drafter
@@ -159,13 +241,13 @@ class AutoDrafter(Drafter):
         if not self.candidates:
             raise ValueError("auto drafter needs at least one candidate")
         self._drafters = {spec: parse_drafter(spec) for spec in self.candidates}
-        self._measured = {}  # spec -> (steps, tokens)
-        self._timed = {}  # spec -> (steps, seconds), whole decoding steps
+        self._shapes = {spec: (d.parents, level_widths(d.parents))
+                        for spec, d in self._drafters.items() if getattr(d, "parents", None)}
 
     # --------------------------------------------------------------------------------- shape
     @property
     def chosen(self) -> Drafter:
-        return self._drafters[self._current or self.candidates[0]]
+        return self._drafters[self.memory.current or self.candidates[0]]
 
     @property
     def num_nodes(self) -> int:
@@ -221,76 +303,92 @@ class AutoDrafter(Drafter):
         return other
 
     # ------------------------------------------------------------------------------ decision
-    def prepare(self, target, draft) -> None:
+    def prepare(self, target, draft, sampling: SamplingConfig) -> None:
         self._step_start = None  # a new generation: the time since the last step is not a step
+        self.by_mode = not sampling.is_greedy
+        if self.remember:
+            key = (self.candidates, self.mode, sampling)
+            self.memory = _remembered(target, draft, key, self.memory)
         if self.target_cost is None:
             self.target_cost = forward_cost(target)
         if self.draft_cost is None:
             self.draft_cost = forward_cost(draft)
 
-    def predict(self, spec: str) -> tuple[float, float]:
-        """(predicted tau, predicted seconds per step) of a candidate: measured values once it
-        has run ``min_runs`` steps, else the model's (step time scaled by the measured/modelled
-        ratio of the steps timed so far)."""
-        tau, seconds = self.model(spec)
-        steps, tokens = self._measured.get(spec, (0, 0))
-        if steps >= self.min_runs:
-            tau = tokens / steps
-        steps, total = self._timed.get(spec, (0, 0))
-        if steps >= self.min_runs:
-            return tau, total / steps
-        measured, modelled = self._scale
-        return tau, seconds * (measured / modelled if modelled > 0 else 1.0)
+    def predict(self, spec: str, p: list[float] | None = None) -> tuple[float, float]:
+        """(predicted tau, predicted seconds per step) of a candidate: the model's, each times
+        the candidate's own measured/modelled ratio, shrunk (``prior_steps`` steps) to 1 for
+        tau and to every candidate's ratio for seconds. ``p``: the rank probabilities of its
+        mode, if already computed."""
+        tau, seconds = self.model(spec, p)
+        mem, w = self.memory, self.prior_steps
+        scale = mem.scale.value(1.0, 0.0)
+        return (tau * mem.taus.get(spec, Ratio()).value(1.0, w),
+                seconds * mem.times.get(spec, Ratio()).value(scale, w))
 
-    def model(self, spec: str) -> tuple[float, float]:
+    def model(self, spec: str, p: list[float] | None = None) -> tuple[float, float]:
         """(tau, seconds per step) of a candidate by the profile and the cost model alone."""
         if self.target_cost is None or self.draft_cost is None:
-            raise ValueError("auto drafter has no cost model: call prepare(target, draft) or "
+            raise ValueError("auto drafter has no cost model: call prepare(target, draft, sampling) or "
                              "pass target_cost and draft_cost")
-        d, p = self._drafters[spec], self.profile.rank_probs()
-        parents = getattr(d, "parents", None)
-        if parents is None:  # a dynamic budget: the best tree of its size under the profile
+        d = self._drafters[spec]
+        p = self.rank_probs(d.mode) if p is None else p
+        shape = self._shapes.get(spec)
+        if shape is None:  # a dynamic budget: the best tree of its size under the profile
             parents = best_tree(d.num_nodes - 1, p)
-        seconds = self.target_cost(len(parents)) + sum(
-            self.draft_cost(n) for n in level_widths(parents))
+            shape = parents, level_widths(parents)
+        parents, widths = shape
+        seconds = self.target_cost(len(parents)) + sum(self.draft_cost(n) for n in widths)
         return expected_tau(parents, p), seconds
+
+    def rank_probs(self, mode: str) -> list[float]:
+        """``p_k`` for children drafted in ``mode``: the pooled profile's, or with ``by_mode``
+        that mode's own profile shrunk to the pooled one."""
+        pooled = self.memory.profile
+        own = self.memory.by_mode.get(mode) if self.by_mode else None
+        return pooled.rank_probs() if own is None else own.rank_probs(pooled.hazards())
 
     def choose(self) -> str:
         """The candidate with the most predicted tokens per second (Eq. 7/8: t / tau), keeping
-        the current one unless another beats it by ``switch_margin``."""
-        rate = {}
-        for spec in self.candidates:
-            tau, seconds = self.predict(spec)
-            rate[spec] = tau / seconds
+        the current one unless another beats it by ``switch_margin``. Optimism in the face of
+        uncertainty: a candidate timed over ``n`` steps gets a bonus of ``optimism /
+        sqrt(1 + n)``, so the model's near misses get tried and then judged by their own
+        measurements."""
+        rate, probs = {}, {}
+        for spec, d in self._drafters.items():
+            if d.mode not in probs:
+                probs[d.mode] = self.rank_probs(d.mode)
+            tau, seconds = self.predict(spec, probs[d.mode])
+            steps = self.memory.times.get(spec, Ratio()).n
+            rate[spec] = tau / seconds * (1 + self.optimism / (1 + steps) ** 0.5)
         best = max(rate, key=rate.get)
-        current = self._current
-        if current is not None and rate[best] < rate[current] * (1 + self.switch_margin):
+        current = self.memory.current
+        if current in rate and rate[best] < rate[current] * (1 + self.switch_margin):
             return current
         return best
 
     # ---------------------------------------------------------------------------- decoding
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None) -> Draft:
-        now = self.clock()
-        if self._step_start is not None and self._current is not None:
-            self._time_step(self._current, now - self._step_start)
+        now, mem = self.clock(), self.memory
+        if self._step_start is not None and self._step_model is not None:
+            mem.scale.add(now - self._step_start, self._step_model[1], mem.profile.decay)
+            mem.times.setdefault(mem.current, Ratio()).add(
+                now - self._step_start, self._step_model[1], mem.profile.decay)
         self._step_start = now
-        self._current = self.choose()
+        mem.current = self.choose()
+        self._step_model = self.model(mem.current)
         return self.chosen.draft(model, cache, roots, sampling, generator)
 
-    def _time_step(self, spec: str, seconds: float) -> None:
-        """Record one whole step of ``spec`` (decayed like the acceptance profile)."""
-        decay = self.profile.decay
-        steps, total = self._timed.get(spec, (0, 0))
-        self._timed[spec] = (steps * decay + 1, total * decay + seconds)
-        measured, modelled = self._scale
-        self._scale = (measured * decay + seconds, modelled * decay + self.model(spec)[1])
-
     def observe(self, tree: TokenTree, path: Tensor) -> None:
-        self.profile.update(tree, path)
-        live = path[:, 0] >= 0
-        steps, tokens = self._measured.get(self._current, (0, 0))
-        decay = self.profile.decay  # the measured tau follows drift like the profile
-        self._measured[self._current] = (steps * decay + int(live.sum()),
-                                         tokens * decay + int((path >= 0)[live].sum()))
+        mem = self.memory
+        mem.profile.update(tree, path)
+        if self.by_mode:  # each mode's own profile decays only with its own steps
+            own = mem.by_mode.setdefault(self.chosen.mode, AcceptanceProfile(
+                decay=mem.profile.decay, prior_weight=mem.profile.prior_weight))
+            own.update(tree, path)
+        if self._step_model is not None:  # the measured tau follows drift like the profile
+            live = path[:, 0] >= 0
+            rows = int(live.sum())
+            mem.taus.setdefault(mem.current, Ratio()).add(
+                int((path >= 0)[live].sum()), rows * self._step_model[0], mem.profile.decay, rows)
         self.chosen.observe(tree, path)

@@ -97,9 +97,9 @@ class Drafter(ABC):
             raise ValueError(f"{type(self).__name__} only drafts {self.mode!r} trees, not {mode!r}")
         return self
 
-    def prepare(self, target, draft) -> None:
+    def prepare(self, target, draft, sampling: SamplingConfig) -> None:
         """Called once by ``generate`` before decoding with the patched target and draft models
-        (a drafter that measures them, like ``auto``, does it here)."""
+        and the sampling setting (a drafter that measures them, like ``auto``, does it here)."""
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         """Feedback after verification: ``path (b, k)`` the accepted node indices of ``tree``
