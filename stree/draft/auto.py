@@ -103,17 +103,28 @@ class AcceptanceProfile:
     def update(self, tree: TokenTree, path: Tensor) -> None:
         """Add one verified step: ``path (b, k)`` accepted nodes of ``tree``, -1 padded; rows
         that finished (all -1) are skipped."""
-        self.events = [e * self.decay for e in self.events]
-        self.at_risk = [r * self.decay for r in self.at_risk]
-        for row, nodes in enumerate(path.tolist()):
-            nodes = [u for u in nodes if u >= 0]
-            for j, u in enumerate(nodes):
-                kids = tree.children(row, u)
-                rank = kids.index(nodes[j + 1]) if j + 1 < len(nodes) else len(kids)
-                for k in range(min(rank + 1, len(kids), self.max_rank)):
-                    self.at_risk[k] += 1.0
-                if rank < min(len(kids), self.max_rank):
-                    self.events[rank] += 1.0
+        self.add(*rank_counts(tree, path, self.max_rank))
+
+    def add(self, events: list[float], at_risk: list[float]) -> None:
+        """Decay the counts by one step, then add one step's (:func:`rank_counts`)."""
+        self.events = [e * self.decay + x for e, x in zip(self.events, events)]
+        self.at_risk = [r * self.decay + x for r, x in zip(self.at_risk, at_risk)]
+
+
+def rank_counts(tree: TokenTree, path: Tensor, max_rank: int) -> tuple[list[float], list[float]]:
+    """One verified step's (acceptances, nodes at risk) per child rank (see
+    :class:`AcceptanceProfile`); rows that finished (``path`` all -1) count nothing."""
+    events, at_risk = [0.0] * max_rank, [0.0] * max_rank
+    for row, nodes in enumerate(path.tolist()):
+        nodes = [u for u in nodes if u >= 0]
+        for j, u in enumerate(nodes):
+            kids = tree.children(row, u)
+            rank = kids.index(nodes[j + 1]) if j + 1 < len(nodes) else len(kids)
+            for k in range(min(rank + 1, len(kids), max_rank)):
+                at_risk[k] += 1.0
+            if rank < min(len(kids), max_rank):
+                events[rank] += 1.0
+    return events, at_risk
 
 
 @dataclass
@@ -381,11 +392,11 @@ class AutoDrafter(Drafter):
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         mem = self.memory
-        mem.profile.update(tree, path)
+        counts = rank_counts(tree, path, mem.profile.max_rank)  # one pass for both profiles
+        mem.profile.add(*counts)
         if self.by_mode:  # each mode's own profile decays only with its own steps
-            own = mem.by_mode.setdefault(self.chosen.mode, AcceptanceProfile(
-                decay=mem.profile.decay, prior_weight=mem.profile.prior_weight))
-            own.update(tree, path)
+            mem.by_mode.setdefault(self.chosen.mode, AcceptanceProfile(
+                mem.profile.max_rank, mem.profile.decay, mem.profile.prior_weight)).add(*counts)
         if self._step_model is not None:  # the measured tau follows drift like the profile
             live = path[:, 0] >= 0
             rows = int(live.sum())
