@@ -97,6 +97,14 @@ class AttentionLayerCache:
         (``arange(b)[:, None]``): the rows themselves here, their slots in a pooled cache."""
         return rows
 
+    def flat_index(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``(b, l, n_kv_heads)`` indices into ``k.view(-1, head_dim)`` (and ``v``'s) of the batch
+        rows ``rows (b, 1)`` at positions ``pos (b, l)``: with them a write or a move of K/V is
+        one ``index_put_`` / ``index_copy_`` per tensor (``k`` and ``v`` are contiguous)."""
+        _, heads, max_seqlen, _ = self.k.shape
+        base = self.index(rows) * (heads * max_seqlen) + pos
+        return base[..., None] + torch.arange(heads, device=pos.device) * max_seqlen
+
     def keys(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v (b, n_kv_heads, span, head_dim)`` of the rows: views of positions ``[0, span)``."""
         return self.k[:, :, :span], self.v[:, :, :span]
@@ -151,17 +159,18 @@ class AttentionActivations:
 
     def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
-        if "kv" not in shared:  # source and destination positions, once per commit
+        key = ("kv", layer.k.shape[1], layer.k.shape[2])
+        if key not in shared:  # source and destination flat indices, once per commit
             k = path.shape[1]
             dst = lengths[:, None] + torch.arange(k, device=path.device)
             # padded slots copy the node itself onto a position past the new length: harmless
             src = torch.where(path >= 0, lengths[:, None] + path, dst)  # accepted nodes' scratch
-            shared["kv"] = (src, dst)
-        src, dst = shared["kv"]
-        rows = layer.index(shared["rows"])  # the rows' pool slots
+            shared[key] = (layer.flat_index(shared["rows"], src).flatten(),
+                           layer.flat_index(shared["rows"], dst).flatten())
+        src, dst = shared[key]
         for t in (layer.k, layer.v):
-            # gather first: sources and destinations overlap
-            t[rows, :, dst] = t[rows, :, src]
+            flat = t.view(-1, t.shape[-1])
+            flat.index_copy_(0, dst, flat.index_select(0, src))  # gathered first: they overlap
 
 
 @dataclass

@@ -164,7 +164,8 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
             raise ValueError(f"method {method!r} drafts and verifies nothing: leave drafter and verifier None")
         drafter = StaticTreeDrafter((-1,), mode="deterministic", name="none")
     else:
-        drafter = parse_drafter(drafter if drafter is not None else default_drafter(method, device))
+        drafter = parse_drafter(drafter if drafter is not None else default_drafter(method, device),
+                                device)
     if method == "chain" and not isinstance(drafter, ChainDrafter):
         raise ValueError(f"method 'chain' needs a chain drafter ('chain:K'), got {drafter.name!r}")
     modes = drafter.modes(sampling)

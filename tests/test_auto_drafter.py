@@ -11,9 +11,9 @@ from scipy.stats import chisquare
 
 from stree.costmodel import ForwardCost, forward_cost
 from stree.draft import parse_drafter
-from stree.draft.auto import (AcceptanceProfile, AutoDrafter, AutoMemory, Ratio, best_tree,
-                              expected_tau, forget, level_widths)
-from stree.generate import generate
+from stree.draft.auto import (CPU_CANDIDATES, DEFAULT_CANDIDATES, AcceptanceProfile, AutoDrafter,
+                              AutoMemory, Ratio, best_tree, expected_tau, forget, level_widths)
+from stree.generate import generate, resolve
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from tests.fakes import FakeLM, greedy_reference, target_probs_of_prefix
@@ -317,9 +317,21 @@ def test_generate_auto_is_lossless(tmp_path, monkeypatch):
 
 
 def test_compile_refuses_auto_with_dynamic_candidates():
-    from stree.generate import resolve
-
     with pytest.raises(ValueError, match="fixed tree template"):
-        resolve("tree", "auto", None, SamplingConfig(), compile=True)  # dyspec candidates
+        resolve("tree", "auto", None, SamplingConfig(), compile=True, device="cuda")  # dyspec
     static_only = AutoDrafter(("chain:2", "static:fig4a"))
     assert static_only.layered
+
+
+def test_auto_candidates_follow_the_device():
+    """Off CUDA auto picks among shapes whose draft runs one node per level (a level of w nodes
+    costs w draft steps there); on CUDA among every default candidate, wide trees included."""
+    cpu, gpu = parse_drafter("auto", "cpu"), parse_drafter("auto", torch.device("cuda"))
+    assert gpu.candidates == DEFAULT_CANDIDATES and cpu.candidates == CPU_CANDIDATES
+    assert set(cpu.candidates) < set(gpu.candidates)
+    for spec in cpu.candidates:
+        assert all(w == 1 for w in level_widths(parse_drafter(spec).parents)), spec
+    assert any(w > 1 for spec in gpu.candidates if getattr(parse_drafter(spec), "parents", None)
+               for w in level_widths(parse_drafter(spec).parents))
+    drafter, _ = resolve("tree", "auto", None, SamplingConfig(), device="cpu")
+    assert drafter.candidates == CPU_CANDIDATES

@@ -163,3 +163,20 @@ def test_bad_slots_are_refused_and_lose_nothing(slots, match):
     with pytest.raises(ValueError, match=match):
         pool.cache(slots)
     _check_others_untouched(pool, before, [], "refused slots")
+
+
+def test_attention_flat_index_reaches_row_head_position():
+    """K/V writes and commit moves go through one flat index per tensor: entry (r, i, h) of
+    ``flat_index`` is ``[slot of row r, h, pos[r, i]]`` of ``k`` (the row itself unpooled)."""
+    from stree.cache import AttentionLayerCache
+
+    cache = AttentionLayerCache.zeros(5, 3, 16, 4, dtype=torch.float32, device="cpu")
+    cache.k.copy_(torch.arange(cache.k.numel(), dtype=torch.float32).view(cache.k.shape))
+    pos = torch.tensor([[2, 3, 7], [0, 9, 15]])
+    for view, slots in ((cache.rows(1, 3), torch.tensor([1, 2])),
+                        (cache.gather(torch.tensor([4, 0])), torch.tensor([4, 0]))):
+        index = view.flat_index(torch.arange(2)[:, None], pos)
+        assert index.shape == (2, 3, 3)
+        got = view.k.reshape(-1, 4)[index]  # (row, node, head, d)
+        want = cache.k[slots[:, None, None], torch.arange(3), pos[:, :, None]]
+        assert torch.equal(got, want)

@@ -59,8 +59,9 @@ _HELP = ("expected 'chain:K', 'static:NAME', 'static:W1,W2,...' or 'caterpillar:
 _NUM = r"(\d+(?:\.\d*)?(?:e-?\d+)?)"
 
 
-def parse_drafter(spec: str | Drafter) -> Drafter:
-    """A drafter from a spec string (see the module docstring); a Drafter is returned as is."""
+def parse_drafter(spec: str | Drafter, device=None) -> Drafter:
+    """A drafter from a spec string (see the module docstring); a Drafter is returned as is.
+    ``device``: where it will run (``"auto"``'s candidates depend on it)."""
     if isinstance(spec, Drafter):
         return spec
     if not isinstance(spec, str):
@@ -82,9 +83,9 @@ def parse_drafter(spec: str | Drafter) -> Drafter:
         return DynaTreeDrafter(int(m[3]), int(m[1]), branch=int(m[2]),
                                tau=float(m[4]) if m[4] else 0.05)
     if kind == "auto" and not rest:
-        from stree.draft.auto import AutoDrafter  # auto's candidates are parsed here too
+        from stree.draft.auto import AutoDrafter, default_candidates  # parses its candidates here
 
-        return AutoDrafter()
+        return AutoDrafter(default_candidates(device))
     if kind == "dynatree2" and (m := re.fullmatch(r"(\d*)", rest)):
         return DynaTree2Drafter(int(m[1] or 32))
     if kind in ("static", "caterpillar") and rest:

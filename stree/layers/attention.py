@@ -99,6 +99,8 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
 
 
 def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
+    """SDPA of ``q (b, l, hq, d)`` over the rows' keys ``[0, span)``; ``mask`` additive (0 / -inf)
+    in the cache's dtype, broadcastable to ``(b, hq, l, span)``."""
     k, v = cache.keys(span)  # the rows' positions [0, span)
     q = q.transpose(1, 2)
     # enable_gqa: query head h reads K/V head h // (hq / hkv) without materialising repeated K/V
@@ -109,13 +111,24 @@ def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
     return out.transpose(1, 2).flatten(2)  # (b, l, hq * d)
 
 
-def _write(cache: AttentionLayerCache, rows, k, v, pos):
-    """Write ``k, v (b, l, hkv, d)`` of the batch rows ``rows (b, 1)`` at positions ``pos (b, l)``
-    (at ``[slot, :, pos]`` of a pooled cache)."""
-    rows = cache.index(rows)
-    # advanced indices first, so (b, l, hkv, d) is written without a transpose
-    cache.k[rows, :, pos] = k if k.dtype == cache.k.dtype else k.to(cache.k.dtype)
-    cache.v[rows, :, pos] = v if v.dtype == cache.v.dtype else v.to(cache.v.dtype)
+def additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """A bool mask (True = visible) as SDPA's additive float mask (0 / -inf) in ``dtype``: built
+    once per tree and dtype, where SDPA would convert a bool mask in every layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _shared_mask(shared: dict, dtype) -> torch.Tensor:
+    key = ("mask", dtype)
+    if key not in shared:
+        shared[key] = additive(shared["mask"], dtype)
+    return shared[key]
+
+
+def _write(cache: AttentionLayerCache, index: torch.Tensor, k, v):
+    """Write ``k, v (b, l, hkv, d)`` at the flat ``index (b, l, hkv)``
+    (:meth:`AttentionLayerCache.flat_index`)."""
+    for t, x in ((cache.k, k), (cache.v, v)):
+        t.view(-1, t.shape[-1]).index_put_((index,), x if x.dtype == t.dtype else x.to(t.dtype))
 
 
 def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, span: int,
@@ -171,9 +184,12 @@ def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
         q, k = _rotate_by(q, shared[a.rotary_key]), _rotate_by(k, shared[a.rotary_key])
     else:
         q, k = a.apply_rotary(q, k, shared["positions"])
-    rows, slots = shared["slots"]  # scratch positions lengths + i
-    _write(cache, rows, k, v, slots)
-    return a.o_proj(_attend(a, q, cache, shared["span"], shared["mask"])), AttentionActivations()
+    key = ("kv_index", cache.k.shape[1], cache.k.shape[2])
+    if key not in shared:  # the scratch slots lengths + i, as flat indices, once per tree
+        shared[key] = cache.flat_index(*shared["slots"])
+    _write(cache, shared[key], k, v)
+    out = _attend(a, q, cache, shared["span"], _shared_mask(shared, cache.k.dtype))
+    return a.o_proj(out), AttentionActivations()
 
 
 def prefill(a, h, cache: AttentionLayerCache, start: int):
@@ -183,7 +199,7 @@ def prefill(a, h, cache: AttentionLayerCache, start: int):
     q, k, v = a.project_qkv(h)
     pos = start + torch.arange(l, device=h.device).expand(b, l)
     q, k = a.apply_rotary(q, k, pos)
-    _write(cache, torch.arange(b, device=h.device)[:, None], k, v, pos)
+    _write(cache, cache.flat_index(torch.arange(b, device=h.device)[:, None], pos), k, v)
     span = start + l
     mask = torch.ones(l, span, dtype=torch.bool, device=h.device).tril(diagonal=start)
-    return a.o_proj(_attend(a, q, cache, span, mask))
+    return a.o_proj(_attend(a, q, cache, span, additive(mask, cache.k.dtype)))
