@@ -142,13 +142,18 @@ class MambaActivations:
     B: torch.Tensor
     A: torch.Tensor
 
-    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+    def tables(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
-        if "path" not in shared:  # gather tables of the path, built once per commit
+        """Add to ``shared`` what replay reads of the path (gather tables), once per commit."""
+        if "path" not in shared:
             shared["path"] = path_tables(path)
         w = layer.conv_state.shape[2]
         if ("conv", w) not in shared:
             shared[("conv", w)] = conv_replay_index(path, w)
+
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        w = layer.conv_state.shape[2]
         ssm_replay(layer.ssm_state, self.x, self.dt, self.A, self.B, path, tables=shared["path"])
         conv_replay(layer.conv_state, self.xbc, path, index=shared[("conv", w)])
 
@@ -157,17 +162,21 @@ class MambaActivations:
 class AttentionActivations:
     """Marker: the tree's K/V already sit as scratch in the layer's cache."""
 
-    def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+    def tables(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
+        """Add to ``shared`` the flat source and destination indices of the accepted nodes'
+        K/V (per cache shape), once per commit."""
         key = ("kv", layer.k.shape[1], layer.k.shape[2])
-        if key not in shared:  # source and destination flat indices, once per commit
-            k = path.shape[1]
-            dst = lengths[:, None] + torch.arange(k, device=path.device)
+        if key not in shared:
+            dst = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
             # padded slots copy the node itself onto a position past the new length: harmless
             src = torch.where(path >= 0, lengths[:, None] + path, dst)  # accepted nodes' scratch
             shared[key] = (layer.flat_index(shared["rows"], src).flatten(),
                            layer.flat_index(shared["rows"], dst).flatten())
-        src, dst = shared[key]
+
+    def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        src, dst = shared["kv", layer.k.shape[1], layer.k.shape[2]]
         for t in (layer.k, layer.v):
             flat = t.view(-1, t.shape[-1])
             flat.index_copy_(0, dst, flat.index_select(0, src))  # gathered first: they overlap
@@ -190,6 +199,9 @@ class NodeStates:
     """
     conv: torch.Tensor
     ssm: torch.Tensor
+
+    def tables(self, layer, path, lengths, shared) -> None:
+        pass  # its one table (each row's last slot) needs the host-side path lengths: TreeCache.commit
 
     def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
@@ -313,6 +325,8 @@ class TreeCache:
             shared["last_slot"] = (path.gather(1, last[:, None])[:, 0] + 1
                                    + shared["rows"][:, 0] * self.pending.slots)
         states = self.states()
+        for idx, acts in self.pending.layers.items():  # per-commit tables first, then the layers
+            acts.tables(states[idx], path, self.lengths, shared)
         for idx, acts in self.pending.layers.items():
             acts.commit(states[idx], path, self.lengths, shared)
         self.store(states)

@@ -159,7 +159,7 @@ class TreeDecodingMixin:
 def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
     """Logits ``(b, n, vocab)`` of the tree ``tokens (b, n)`` and ``{layer: activations}``."""
     acts = {}
-    attn = _attention_tables(model, tables)
+    attn = _attention_tables(model, tables, layers)
 
     def run(idx, mixer, h):
         if idx in tables["consts"]:
@@ -177,7 +177,7 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
     the :class:`NodeStates` slot ``src (b * w,)`` of ``states`` (its parent's), its own state
     written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch."""
     b, w = tokens.shape
-    attn = _attention_tables(model, tables)
+    attn = _attention_tables(model, tables, layers)
 
     def run(idx, mixer, h):
         if idx not in tables["consts"]:
@@ -225,10 +225,14 @@ def _tables(model, tree: TokenTree, mamba_tree: TokenTree | None, lengths, span:
     return dict(consts=consts, mamba=per_layer, tree=tree_in)
 
 
-def _attention_tables(model, tables: dict) -> dict:
-    """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)."""
-    adapters = [attention.view(m) for idx, m in _stree_mixers(model) if idx not in tables["consts"]]
-    return attention.tree_tables(adapters=adapters, **tables["tree"]) if adapters else {}
+def _attention_tables(model, tables: dict, layers: dict) -> dict:
+    """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)
+    for its attention layers and their caches ``layers[idx]``."""
+    idxs = [(idx, m) for idx, m in _stree_mixers(model) if idx not in tables["consts"]]
+    if not idxs:
+        return {}
+    return attention.tree_tables(adapters=[attention.view(m) for _, m in idxs],
+                                 caches=[layers[idx] for idx, _ in idxs], **tables["tree"])
 
 
 def _with_slots(t: torch.Tensor, slots: int) -> torch.Tensor:

@@ -117,13 +117,6 @@ def additive(mask: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _shared_mask(shared: dict, dtype) -> torch.Tensor:
-    key = ("mask", dtype)
-    if key not in shared:
-        shared[key] = additive(shared["mask"], dtype)
-    return shared[key]
-
-
 def _write(cache: AttentionLayerCache, index: torch.Tensor, k, v):
     """Write ``k, v (b, l, hkv, d)`` at the flat ``index (b, l, hkv)``
     (:meth:`AttentionLayerCache.flat_index`)."""
@@ -132,12 +125,13 @@ def _write(cache: AttentionLayerCache, index: torch.Tensor, k, v):
 
 
 def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, span: int,
-                adapters, nodes=None) -> dict:
+                adapters, caches, nodes=None) -> dict:
     """What every attention layer of one tree forward reuses, built once per tree from its
-    ancestor ``mask (b, n, n)`` and ``depth (b, n)``: the mask (:func:`tree_mask`), rotary
-    positions ``lengths + depth``, scratch slots ``lengths + i`` (with the row index for advanced
-    indexing), the key ``span`` and one set of rotation matrices per rotary configuration among
-    ``adapters`` (the model's attention adapters).
+    ancestor ``mask (b, n, n)`` and ``depth (b, n)``: rotary positions ``lengths + depth``, the
+    key ``span``, one set of rotation matrices per rotary configuration among ``adapters`` (the
+    model's attention adapters) and, per dtype and shape among ``caches`` (their
+    :class:`AttentionLayerCache`), the additive mask (:func:`tree_mask`) and the flat indices of
+    the scratch slots ``lengths + i`` (:meth:`AttentionLayerCache.flat_index`).
 
     ``nodes (b, w)``: only these nodes are queried (level-by-level drafting): their mask rows,
     positions and slots; the K/V of their ancestors must already sit in the scratch."""
@@ -149,11 +143,20 @@ def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Ten
         mask = mask.gather(2, nodes[:, None, :, None].expand(-1, 1, -1, span))
         depth = depth.gather(1, nodes)
     positions = lengths[:, None] + depth
-    tables = dict(mask=mask, positions=positions, slots=(rows, lengths[:, None] + nodes), span=span)
+    tables = dict(positions=positions, span=span)
     for a in adapters:
         if hasattr(a, "rotary_tables") and a.rotary_key not in tables:
             tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))
+    for c in caches:
+        if ("mask", c.k.dtype) not in tables:
+            tables["mask", c.k.dtype] = additive(mask, c.k.dtype)
+        if _slots_key(c) not in tables:
+            tables[_slots_key(c)] = c.flat_index(rows, lengths[:, None] + nodes)
     return tables
+
+
+def _slots_key(cache: AttentionLayerCache):
+    return ("slots", cache.k.shape[1], cache.k.shape[2])
 
 
 def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,11 +187,8 @@ def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
         q, k = _rotate_by(q, shared[a.rotary_key]), _rotate_by(k, shared[a.rotary_key])
     else:
         q, k = a.apply_rotary(q, k, shared["positions"])
-    key = ("kv_index", cache.k.shape[1], cache.k.shape[2])
-    if key not in shared:  # the scratch slots lengths + i, as flat indices, once per tree
-        shared[key] = cache.flat_index(*shared["slots"])
-    _write(cache, shared[key], k, v)
-    out = _attend(a, q, cache, shared["span"], _shared_mask(shared, cache.k.dtype))
+    _write(cache, shared[_slots_key(cache)], k, v)  # at the scratch slots lengths + i
+    out = _attend(a, q, cache, shared["span"], shared["mask", cache.k.dtype])
     return a.o_proj(out), AttentionActivations()
 
 
