@@ -13,7 +13,7 @@ from stree.costmodel import ForwardCost, forward_cost
 from stree.draft import parse_drafter
 from stree.draft.auto import (CPU_CANDIDATES, DEFAULT_CANDIDATES, AcceptanceProfile, AutoDrafter,
                               AutoMemory, Ratio, best_tree, expected_tau, forget, level_widths)
-from stree.generate import generate, resolve
+from stree.generate import default_drafter, generate, resolve
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from tests.fakes import FakeLM, greedy_reference, target_probs_of_prefix
@@ -28,7 +28,8 @@ def profile(hazards, weight=1e6) -> AcceptanceProfile:
 
 
 def memory(hazards, weight=1e6) -> AutoMemory:
-    return AutoMemory(profile(hazards, weight))
+    """What auto knows after it saw ``weight`` nodes of these ``hazards`` (past its warm-up)."""
+    return AutoMemory(profile(hazards, weight), steps=100)
 
 
 def test_expected_tau_by_hand():
@@ -261,7 +262,9 @@ def auto_memories(target, draft) -> list[AutoMemory]:
 
 def test_no_cost_model_is_an_error():
     with pytest.raises(ValueError, match="cost model"):
-        AutoDrafter().choose()
+        AutoDrafter(warmup=0).choose()
+    with pytest.raises(ValueError, match="cost model"):
+        AutoDrafter().model("chain:4")
     with pytest.raises(ValueError):
         AutoDrafter(candidates=())
 
@@ -335,3 +338,18 @@ def test_auto_candidates_follow_the_device():
                for w in level_widths(parse_drafter(spec).parents))
     drafter, _ = resolve("tree", "auto", None, SamplingConfig(), device="cpu")
     assert drafter.candidates == CPU_CANDIDATES
+    # each starts from the device's default tree
+    assert cpu.candidates[0] == default_drafter("tree", "cpu")
+    assert gpu.candidates[0] == default_drafter("tree", "cuda")
+
+
+def test_warmup_runs_the_first_candidate_then_chooses():
+    """A fresh memory runs the first candidate for ``warmup`` verified steps (the profile is
+    first measured on it), then the prediction decides."""
+    auto = AutoDrafter(("chain:6", "chain:1"), ForwardCost(0.0, 1e-3, 1e-2), warmup=3,
+                       memory=AutoMemory(profile([0.05], 1e6)), **COSTS)  # chain:1 predicted best
+    tree = TokenTree(torch.zeros(1, 7, dtype=torch.long), [-1, 0, 1, 2, 3, 4, 5])
+    for _ in range(3):
+        assert auto.choose() == "chain:6"
+        auto.observe(tree, torch.tensor([[0, -1, -1, -1, -1, -1, -1]]))
+    assert auto.memory.steps == 3 and auto.choose() == "chain:1"

@@ -43,6 +43,13 @@ steps (the wall time between consecutive ``draft`` calls, ``clock``): the ratio 
 predicted step time over all candidates scales every prediction, and each candidate's own
 ratio is shrunk to it as its tau ratio is shrunk to 1.
 
+It starts from its first candidate, the device's default tree, and runs it for ``warmup`` (8)
+steps before it chooses: the profile pools every depth, and acceptance grows with depth (the
+draft, once in step with the target, stays so), so a profile first measured on a short chain
+sees only the shallow, least accepted levels and predicts every deeper shape too low, which no
+measurement corrects while the chain keeps running (on the shipped pair auto sat on ``chain:2``
+for its first prompts that way).
+
 Choices are made by optimism in the face of uncertainty: a candidate timed over ``n`` steps
 gets a bonus of ``optimism / sqrt(1 + n)`` (20%) on its predicted tokens per second, so the
 model's near misses are tried and then judged by their own measurements (a 10% bonus did worse
@@ -65,20 +72,22 @@ from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree, level_runs
 
-DEFAULT_CANDIDATES = ("chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
-                      "static:fig4a", "static:B", "static:C", "static:D", "static:E",
+DEFAULT_CANDIDATES = ("static:fig4a", "chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
+                      "static:B", "static:C", "static:D", "static:E",
                       "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "caterpillar:3,2,2,2,2",
                       "caterpillar:2,2,2,2,2,2", "dyspec:8", "dyspec:16", "dyspec:32")
 # Off a GPU every node a draft level runs costs a draft step, so only shapes that draft one node
 # per level pay (README: Benchmarks), and every extra candidate costs exploration: on the shipped
 # pair (CPU) auto over all 18 ran 3-7% slower than over these 5, side by side.
-CPU_CANDIDATES = ("chain:2", "chain:4", "chain:6", "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2")
+CPU_CANDIDATES = ("caterpillar:2,2,2,2,2", "caterpillar:2,2,2,2", "chain:2", "chain:4", "chain:6")
 
 
 def default_candidates(device=None) -> tuple[str, ...]:
     """The candidates ``"auto"`` picks among on ``device``: on CUDA, where a level or a verify of
     many nodes costs about one, chains, static presets, caterpillars and DySpec budgets
-    (:data:`DEFAULT_CANDIDATES`); elsewhere chains and caterpillars (:data:`CPU_CANDIDATES`)."""
+    (:data:`DEFAULT_CANDIDATES`); elsewhere chains and caterpillars (:data:`CPU_CANDIDATES`).
+    Each starts with the device's default tree (``stree.generate.default_drafter``), where auto
+    starts."""
     return DEFAULT_CANDIDATES if torch.device(device or "cpu").type == "cuda" else CPU_CANDIDATES
 
 
@@ -168,7 +177,7 @@ class AutoMemory:
     ``profile`` pools every verdict; ``by_mode`` (T > 0 only) holds each draft mode's own;
     ``taus`` / ``times``: per candidate spec, its accepted tokens per row-step and its whole
     step's seconds against the model's; ``scale``: step seconds against the model's over all
-    candidates; ``current``: the candidate running now.
+    candidates; ``current``: the candidate running now; ``steps``: verified steps seen.
     """
 
     profile: AcceptanceProfile = field(default_factory=AcceptanceProfile)
@@ -177,6 +186,7 @@ class AutoMemory:
     times: dict[str, Ratio] = field(default_factory=dict)
     scale: Ratio = field(default_factory=Ratio)
     current: str | None = None
+    steps: int = 0
 
 
 # target -> draft -> (candidates, mode, sampling) -> AutoMemory; entries go with the models
@@ -248,6 +258,7 @@ class AutoDrafter(Drafter):
     memory: AutoMemory = field(default_factory=AutoMemory)
     mode: str | None = None
     switch_margin: float = 0.03
+    warmup: int = 8
     prior_steps: float = 8.0
     optimism: float = 0.2
     by_mode: bool = False  # one profile per draft mode (set by prepare at T > 0)
@@ -376,7 +387,9 @@ class AutoDrafter(Drafter):
         the current one unless another beats it by ``switch_margin``. Optimism in the face of
         uncertainty: a candidate timed over ``n`` steps gets a bonus of ``optimism /
         sqrt(1 + n)``, so the model's near misses get tried and then judged by their own
-        measurements."""
+        measurements. The first ``warmup`` steps of a memory run the first candidate."""
+        if self.memory.steps < self.warmup:
+            return self.candidates[0]
         rate, probs = {}, {}
         for spec, d in self._drafters.items():
             if d.mode not in probs:
@@ -405,6 +418,7 @@ class AutoDrafter(Drafter):
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         mem = self.memory
+        mem.steps += 1
         counts = rank_counts(tree, path, mem.profile.max_rank)  # one pass for both profiles
         mem.profile.add(*counts)
         if self.by_mode:  # each mode's own profile decays only with its own steps
