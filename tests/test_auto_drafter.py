@@ -353,3 +353,5 @@ def test_warmup_runs_the_first_candidate_then_chooses():
         assert auto.choose() == "chain:6"
         auto.observe(tree, torch.tensor([[0, -1, -1, -1, -1, -1, -1]]))
     assert auto.memory.steps == 3 and auto.choose() == "chain:1"
+    auto.memory.steps, auto.by_mode = 0, True  # T > 0: per-mode profiles, no warm-up
+    assert auto.choose() == "chain:1"
