@@ -353,5 +353,21 @@ def test_warmup_runs_the_first_candidate_then_chooses():
         assert auto.choose() == "chain:6"
         auto.observe(tree, torch.tensor([[0, -1, -1, -1, -1, -1, -1]]))
     assert auto.memory.steps == 3 and auto.choose() == "chain:1"
-    auto.memory.steps, auto.by_mode = 0, True  # T > 0: per-mode profiles, no warm-up
-    assert auto.choose() == "chain:1"
+
+
+def test_warmup_at_t_above_zero_runs_each_modes_first_candidate():
+    """T > 0: the sampled tree's mode and the chains' mode each get their first candidate's
+    warm-up, in candidate order."""
+    auto = AutoDrafter(("caterpillar:2,2", "chain:3", "chain:1", "static:3,3"),
+                       ForwardCost(0.0, 1e-3, 1e-2), warmup=2, **COSTS)
+    auto = auto.with_mode("without_replacement")
+    auto.by_mode = True
+    assert auto._drafters["caterpillar:2,2"].mode != auto._drafters["chain:3"].mode
+    tree = TokenTree(torch.zeros(1, 2, dtype=torch.long), [-1, 0])
+    seen = []
+    for _ in range(4):
+        seen.append(auto.choose())
+        auto.observe(tree, torch.tensor([[0, -1]]))
+    assert seen == ["caterpillar:2,2"] * 2 + ["chain:3"] * 2
+    auto.by_mode = False  # one pooled profile (T = 0): the first candidate only
+    assert auto._warmup_order() == ["caterpillar:2,2"]

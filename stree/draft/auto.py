@@ -43,14 +43,15 @@ steps (the wall time between consecutive ``draft`` calls, ``clock``): the ratio 
 predicted step time over all candidates scales every prediction, and each candidate's own
 ratio is shrunk to it as its tau ratio is shrunk to 1.
 
-At greedy sampling it starts from its first candidate, the device's default tree, and runs it
-for ``warmup`` (8) steps before it chooses: the profile pools every depth, and acceptance grows
-with depth (the draft, once in step with the target, stays so), so a profile first measured on
-a short chain sees only the shallow, least accepted levels and predicts every deeper shape too
-low until optimism tries one (on the shipped pair auto sat on ``chain:2`` for its first
-prompts that way). At T > 0 it does not: there each draft mode learns its own profile, and a
-warm-up on one mode's tree left the other mode's chains (ASpS, the fastest there) looking
-worse than they are (MT-Bench T = 1 fell from 0.97 to 0.88 of the best fixed choice).
+It starts from its first candidate, the device's default tree, and runs it for ``warmup`` (8)
+steps before it chooses: the profile pools every depth, and acceptance grows with depth (the
+draft, once in step with the target, stays so), so a profile first measured on a short chain
+(which the uninformed prior favours) sees only the shallow, least accepted levels and predicts
+every deeper shape too low until optimism tries one (on the shipped pair auto sat on
+``chain:2`` for its first prompts that way, at T = 0 and at T = 1). At T > 0, where each draft
+mode keeps its own profile, it then runs the first candidate of every other mode (``chain:4``,
+verified by ASpS) for as many steps: a warm-up on the MSS tree alone left the ASpS chains
+looking worse than they are.
 
 Choices are made by optimism in the face of uncertainty: a candidate timed over ``n`` steps
 gets a bonus of ``optimism / sqrt(1 + n)`` (20%) on its predicted tokens per second, so the
@@ -81,7 +82,7 @@ DEFAULT_CANDIDATES = ("static:fig4a", "chain:1", "chain:2", "chain:3", "chain:4"
 # Off a GPU every node a draft level runs costs a draft step, so only shapes that draft one node
 # per level pay (README: Benchmarks), and every extra candidate costs exploration: on the shipped
 # pair (CPU) auto over all 18 ran 3-7% slower than over these 5, side by side.
-CPU_CANDIDATES = ("caterpillar:2,2,2,2,2", "caterpillar:2,2,2,2", "chain:2", "chain:4", "chain:6")
+CPU_CANDIDATES = ("caterpillar:2,2,2,2,2", "chain:4", "caterpillar:2,2,2,2", "chain:2", "chain:6")
 
 
 def default_candidates(device=None) -> tuple[str, ...]:
@@ -389,10 +390,11 @@ class AutoDrafter(Drafter):
         the current one unless another beats it by ``switch_margin``. Optimism in the face of
         uncertainty: a candidate timed over ``n`` steps gets a bonus of ``optimism /
         sqrt(1 + n)``, so the model's near misses get tried and then judged by their own
-        measurements. At greedy sampling the first ``warmup`` steps of a memory run the first
-        candidate."""
-        if self.memory.steps < self.warmup and not self.by_mode:
-            return self.candidates[0]
+        measurements. A new memory first runs each draft mode's first candidate for ``warmup``
+        steps (at T = 0, where one profile serves every mode, just the first candidate)."""
+        firsts = self._warmup_order()
+        if self.memory.steps < self.warmup * len(firsts):
+            return firsts[self.memory.steps // self.warmup]
         rate, probs = {}, {}
         for spec, d in self._drafters.items():
             if d.mode not in probs:
@@ -405,6 +407,13 @@ class AutoDrafter(Drafter):
         if current in rate and rate[best] < rate[current] * (1 + self.switch_margin):
             return current
         return best
+
+    def _warmup_order(self) -> list[str]:
+        """The first candidate of each profile's draft mode (one profile unless ``by_mode``)."""
+        firsts: dict = {}
+        for spec, d in self._drafters.items():
+            firsts.setdefault(d.mode if self.by_mode else None, spec)
+        return list(firsts.values())
 
     # ---------------------------------------------------------------------------- decoding
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
