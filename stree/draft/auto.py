@@ -47,11 +47,11 @@ It starts from its first candidate, the device's default tree, and runs it for `
 steps before it chooses: the profile pools every depth, and acceptance grows with depth (the
 draft, once in step with the target, stays so), so a profile first measured on a short chain
 (which the uninformed prior favours) sees only the shallow, least accepted levels and predicts
-every deeper shape too low until optimism tries one (on the shipped pair auto sat on
-``chain:2`` for its first prompts that way, at T = 0 and at T = 1). At T > 0, where each draft
-mode keeps its own profile, it then runs the first candidate of every other mode (``chain:4``,
-verified by ASpS) for as many steps: a warm-up on the MSS tree alone left the ASpS chains
-looking worse than they are.
+every deeper shape too low until optimism tries one (on the shipped pair auto sat on ``chain:2``
+for many prompts that way, at T = 0 from the start, at T = 1 once mid-run). At T > 0, where each
+draft mode keeps its own profile, it then runs the first candidate of every other mode
+(``chain:4``, verified by ASpS) for as many steps: a warm-up on the MSS tree alone left the ASpS
+chains looking worse than they are.
 
 Choices are made by optimism in the face of uncertainty: a candidate timed over ``n`` steps
 gets a bonus of ``optimism / sqrt(1 + n)`` (20%) on its predicted tokens per second, so the
