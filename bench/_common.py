@@ -70,11 +70,12 @@ def result_stem(out_dir, name: str, meta: dict) -> Path:
     return Path(out_dir) / f"{name}_{device}_{stamp}"
 
 
-def write_rows(rows: list[dict], stem) -> list[Path]:
-    """Write ``rows`` to ``{stem}.csv`` and ``{stem}.json``; returns both paths.
+def write_rows(rows: list[dict], stem, json_too: bool = True) -> list[Path]:
+    """Write ``rows`` to ``{stem}.csv`` and (``json_too``) ``{stem}.json``; returns the paths.
 
     The CSV has the union of the rows' keys as columns (first-seen order); dict and list values
-    are stored there as JSON text, in the JSON file as themselves.
+    are stored there as JSON text, in the JSON file as themselves. Long row sets (one per prompt)
+    go to the CSV only: the JSON would repeat every key and the metadata on every row.
     """
     if not rows:
         raise ValueError("no rows to write")
@@ -90,6 +91,8 @@ def write_rows(rows: list[dict], stem) -> list[Path]:
         writer.writeheader()
         writer.writerows({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in r.items()}
                          for r in rows)
+    if not json_too:
+        return [csv_path]
     json_path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return [csv_path, json_path]
 

@@ -28,7 +28,7 @@ Per (method, temperature) it aggregates, over prompts: new tokens, target and dr
 accepted-length histogram, tokens/s (all new tokens / all wall time, prefill included), the draft /
 verify / replay time split and the speed-up over ``ar`` at the same temperature. It prints a markdown
 table and writes, under ``--out``: ``e2e_*.csv/.json`` (one row per method x temperature),
-``e2e_*_per_prompt.csv/.json`` (one row per prompt, method and temperature) and ``e2e_*.png`` (tau and
+``e2e_*_per_prompt.csv`` (one row per prompt, method and temperature) and ``e2e_*.png`` (tau and
 tokens/s bars, acceptance histograms; needs matplotlib), every row tagged with device, commit and date.
 
     python bench/e2e.py --models models/stree-tiny --prompts humaneval --limit 20 --max-new-tokens 128 \\
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     print("\n" + markdown_table(summary) + "\n")
     stem = result_stem(cfg.out, f"e2e_{Path(cfg.prompts).stem}", meta)
     written = (write_rows(summary, stem)
-               + write_rows(per_prompt, stem.with_name(stem.name + "_per_prompt")))
+               + write_rows(per_prompt, stem.with_name(stem.name + "_per_prompt"), json_too=False))
     png = stem.with_name(stem.name + ".png")
     if plot(summary, png):
         written.append(png)
