@@ -136,11 +136,12 @@ class AcceptanceProfile:
         self.at_risk = [r * self.decay + x for r, x in zip(self.at_risk, at_risk)]
 
 
-def rank_counts(tree: TokenTree, path: Tensor, max_rank: int) -> tuple[list[float], list[float]]:
+def rank_counts(tree: TokenTree, path: Tensor | list, max_rank: int) -> tuple[list[float], list[float]]:
     """One verified step's (acceptances, nodes at risk) per child rank (see
-    :class:`AcceptanceProfile`); rows that finished (``path`` all -1) count nothing."""
+    :class:`AcceptanceProfile`); rows that finished (``path`` all -1) count nothing. ``path``:
+    the tensor, or its ``tolist()`` when the caller reads it anyway."""
     events, at_risk = [0.0] * max_rank, [0.0] * max_rank
-    for row, nodes in enumerate(path.tolist()):
+    for row, nodes in enumerate(path.tolist() if isinstance(path, Tensor) else path):
         nodes = [u for u in nodes if u >= 0]
         for j, u in enumerate(nodes):
             kids = tree.children(row, u)
@@ -431,14 +432,15 @@ class AutoDrafter(Drafter):
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         mem = self.memory
         mem.steps += 1
-        counts = rank_counts(tree, path, mem.profile.max_rank)  # one pass for both profiles
+        paths = path.tolist()  # the step's one read of the verdicts, for every count below
+        counts = rank_counts(tree, paths, mem.profile.max_rank)  # one pass for both profiles
         mem.profile.add(*counts)
         if self.by_mode:  # each mode's own profile decays only with its own steps
             mem.by_mode.setdefault(self.chosen.mode, AcceptanceProfile(
                 mem.profile.max_rank, mem.profile.decay, mem.profile.prior_weight)).add(*counts)
         if self._step_model is not None:  # the measured tau follows drift like the profile
-            live = path[:, 0] >= 0
-            rows = int(live.sum())
+            live = [p for p in paths if p[0] >= 0]
+            accepted = sum(u >= 0 for p in live for u in p)
             mem.taus.setdefault(mem.current, Ratio()).add(
-                int((path >= 0)[live].sum()), rows * self._step_model[0], mem.profile.decay, rows)
+                accepted, len(live) * self._step_model[0], mem.profile.decay, len(live))
         self.chosen.observe(tree, path)
