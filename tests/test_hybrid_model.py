@@ -151,6 +151,21 @@ def test_save_load_roundtrip_identical_logits(tmp_path, tie):
         assert torch.equal(loaded(ids), model(ids))
 
 
+def test_fused_qkv_speaks_the_checkpoint_names():
+    """The attention holds q/k/v as one ``qkv_proj``; its state dict has the checkpoint's three
+    tensors (the fused rows in q, k, v order) and loading three distinct tensors fills those rows."""
+    model = tiny_model()
+    attn = model.model.layers[1].self_attn
+    sd = attn.state_dict()
+    assert sorted(sd) == ["k_proj.weight", "o_proj.weight", "q_proj.weight", "v_proj.weight"]
+    assert [tuple(sd[k].shape) for k in ("q_proj.weight", "k_proj.weight", "v_proj.weight")] == [
+        (64, 64), (32, 64), (32, 64)]
+    q, k, v = (torch.full((n, 64), float(i)) for i, n in enumerate((64, 32, 32), start=1))
+    attn.load_state_dict({**sd, "q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v})
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q, k, v]))
+    assert torch.equal(attn.state_dict()["k_proj.weight"], k)
+
+
 def test_load_sharded_safetensors_and_bin(tmp_path):
     model = tiny_model()
     ids = torch.randint(0, VOCAB, (1, 9))

@@ -10,7 +10,12 @@ from .rotary import RotaryEmbedding, rotate, signed_tables
 
 
 class LlamaAttention(nn.Module):
-    """Parameters ``{q,k,v,o}_proj.weight`` as in HF Llama checkpoints."""
+    """Parameters ``{q,k,v,o}_proj.weight`` as in HF Llama checkpoints.
+
+    q, k and v are held as one ``qkv_proj`` (rows q, then k, then v): one GEMM per step instead
+    of three. ``state_dict`` and ``load_state_dict`` still speak the checkpoint's names (hooks
+    split and join the rows), so checkpoints and shape checks see ``q_proj.weight`` etc.
+    """
 
     def __init__(self, hidden_size: int, num_heads: int, num_key_value_heads: int, head_dim: int,
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, layer_idx: int | None = None):
@@ -18,18 +23,19 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_key_value_heads, self.head_dim = num_heads, num_key_value_heads, head_dim
         self.softmax_scale = head_dim ** -0.5
         self.layer_idx = layer_idx
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=False)
+        self.qkv_sizes = (num_heads * head_dim, num_key_value_heads * head_dim, num_key_value_heads * head_dim)
+        self.qkv_proj = nn.Linear(hidden_size, sum(self.qkv_sizes), bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling)
+        self.register_state_dict_post_hook(_split_qkv)
+        self.register_load_state_dict_pre_hook(_join_qkv)
 
     def project_qkv(self, hidden_states: torch.Tensor):
         """hidden_states (b, l, d) -> q (b, l, hq, hd), k, v (b, l, hkv, hd), before rotary."""
-        q = self.q_proj(hidden_states).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
-        v = self.v_proj(hidden_states).unflatten(-1, (self.num_key_value_heads, self.head_dim))
-        return q, k, v
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+        return (q.unflatten(-1, (self.num_heads, self.head_dim)),
+                k.unflatten(-1, (self.num_key_value_heads, self.head_dim)),
+                v.unflatten(-1, (self.num_key_value_heads, self.head_dim)))
 
     def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """Rotate q (b, l, hq, hd) and k (b, l, hkv, hd) to ``positions (b, l)``."""
@@ -78,3 +84,23 @@ class LlamaAttention(nn.Module):
         # query sees every cached key and needs none.
         mask = torch.ones(l, start + l, dtype=torch.bool, device=q.device).tril(diagonal=start) if l > 1 else None
         return self.o_proj(self.attend(q, k, v, mask))
+
+
+_QKV_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+
+
+def _split_qkv(module: LlamaAttention, state_dict, prefix, local_metadata) -> None:
+    """``state_dict`` post-hook: ``qkv_proj.weight`` as the checkpoint's three tensors (views)."""
+    fused = state_dict.pop(prefix + "qkv_proj.weight")
+    for name, part in zip(_QKV_NAMES, fused.split(module.qkv_sizes, dim=0)):
+        state_dict[prefix + name] = part
+
+
+def _join_qkv(module: LlamaAttention, state_dict, prefix, local_metadata, strict, missing_keys,
+              unexpected_keys, error_msgs) -> None:
+    """``load_state_dict`` pre-hook: the checkpoint's q/k/v weights as one ``qkv_proj.weight``.
+    Left alone unless all three are present (a missing one is then reported under its own name
+    by the strict check, the fused name as missing too)."""
+    keys = [prefix + name for name in _QKV_NAMES]
+    if all(key in state_dict for key in keys):
+        state_dict[prefix + "qkv_proj.weight"] = torch.cat([state_dict.pop(key) for key in keys], dim=0)

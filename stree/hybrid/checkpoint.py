@@ -78,11 +78,18 @@ def _load_sharded(directory, index_path, device) -> dict[str, torch.Tensor]:
     return state_dict
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous on the CPU in a storage of its own: safetensors refuses tensors that share
+    one (the attention's q/k/v weights are row views of its fused ``qkv_proj``)."""
+    t = t.detach().contiguous().cpu()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def save_state_dict(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike,
                     max_shard_bytes: int | None = None) -> None:
     """Write ``state_dict`` as safetensors (sharded with an index when it exceeds ``max_shard_bytes``)."""
     os.makedirs(directory, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    tensors = {k: _own_storage(v) for k, v in state_dict.items()}
     metadata = {"format": "pt"}
     shards, current, size = [], {}, 0
     for key, tensor in tensors.items():
