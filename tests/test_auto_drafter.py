@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -20,10 +21,12 @@ from tests.fakes import FakeLM, greedy_reference, target_probs_of_prefix
 
 
 def profile(hazards, weight=1e6) -> AcceptanceProfile:
-    """A profile whose hazards are ``hazards`` (then 0), as if from ``weight`` observations."""
+    """A profile whose hazards are ``hazards`` (then 0) at every depth, as if from ``weight``
+    observations."""
     pr = AcceptanceProfile()
     h = list(hazards) + [0.0] * (pr.max_rank - len(hazards))
-    pr.events, pr.at_risk = [x * weight for x in h], [weight] * pr.max_rank
+    pr.events = [[x * weight for x in h] for _ in range(pr.max_depth)]
+    pr.at_risk = [[weight] * pr.max_rank for _ in range(pr.max_depth)]
     return pr
 
 
@@ -33,16 +36,21 @@ def memory(hazards, weight=1e6) -> AutoMemory:
 
 
 def test_expected_tau_by_hand():
-    p = [0.6, 0.2, 0.1]
+    p = [[0.6, 0.2, 0.1]]  # one row: every depth alike
     assert expected_tau([-1, 0, 1, 2], p) == pytest.approx(1 + 0.6 + 0.36 + 0.216)
     # root with children of rank 0 and 1, the first continued once
     assert expected_tau([-1, 0, 0, 1], p) == pytest.approx(1 + 0.6 + 0.2 + 0.36)
+    deeper = [[0.6, 0.2], [0.9, 0.05]]  # depth 1 and below: the rows' last
+    assert expected_tau([-1, 0, 1, 2], deeper) == pytest.approx(1 + 0.6 + 0.54 + 0.486)
+    assert expected_tau([-1, 0, 0, 1, 1], deeper) == pytest.approx(1 + 0.6 + 0.2 + 0.54 + 0.03)
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 4, 5])
-def test_best_tree_is_optimal(budget):
+@pytest.mark.parametrize("p", [[[0.55, 0.25, 0.1, 0.05, 0.02]],
+                               [[0.4, 0.3, 0.1, 0.05, 0.02], [0.8, 0.1, 0.05, 0.0, 0.0], [0.95, 0.0]]],
+                         ids=["flat", "by-depth"])
+def test_best_tree_is_optimal(budget, p):
     """Against every tree of that size (parents[i] < i, all orders)."""
-    p = [0.55, 0.25, 0.1, 0.05, 0.02]
     trees = ([-1] + list(rest) for rest in itertools.product(*[range(i) for i in range(1, budget + 1)]))
     best = max(expected_tau(t, p) for t in trees)
     tree = best_tree(budget, p)
@@ -54,9 +62,32 @@ def test_profile_counts_ranks_and_censoring():
     tree = TokenTree(torch.zeros(1, 6, dtype=torch.long), [-1, 0, 0, 0, 2, 2])
     # accepted node 2 (the root's rank-1 child), then nothing below it (2 children rejected)
     pr.update(tree, torch.tensor([[0, 2, -1]]))
-    assert pr.events[:3] == [0.0, 1.0, 0.0]
-    assert pr.at_risk[:3] == [2.0, 2.0, 0.0]  # root: ranks 0, 1; node 2: ranks 0, 1 rejected
-    assert pr.hazards()[:2] == [0.0, 0.5]
+    assert pr.events[0][:3] == [0.0, 1.0, 0.0] and pr.events[1][:3] == [0.0, 0.0, 0.0]
+    assert pr.at_risk[0][:3] == [1.0, 1.0, 0.0]  # root (depth 0): ranks 0, 1
+    assert pr.at_risk[1][:3] == [1.0, 1.0, 0.0]  # node 2 (depth 1): ranks 0, 1 rejected
+    hazards = pr.hazards()
+    assert hazards[0][:2] == [0.0, 1.0] and hazards[1][:2] == [0.0, 0.0]
+
+
+def test_profile_decays_only_the_depths_a_step_reaches():
+    """A short chain run for a long while leaves what deeper levels showed: the hazards of a
+    depth it never reaches, and so a long chain's predicted tau, stay as they were measured."""
+    auto = AutoDrafter(("chain:2", "chain:6"), ForwardCost(0.0, 1e-3, 1e-2),
+                       memory=memory([0.9], weight=50), **COSTS)
+    chain2 = TokenTree(torch.zeros(1, 3, dtype=torch.long), [-1, 0, 1])
+    prof = auto.memory.profile
+    deep_before = [row[:] for row in prof.events[2:]], [row[:] for row in prof.at_risk[2:]]
+    for step in range(300):  # chain:2 runs; its second token is always rejected
+        auto.memory.current = "chain:2"
+        auto._step_model = auto.model("chain:2")
+        auto.observe(chain2, torch.tensor([[0, 1, -1]]))
+    hazards = auto.memory.profile.hazards()
+    assert hazards[0][0] > 0.97 and hazards[1][0] < 0.05  # followed the drift where it ran
+    # untouched where it did not (their prior, the depth above's hazards, moved them a little)
+    assert (prof.events[2:], prof.at_risk[2:]) == deep_before
+    assert all(hazards[d][0] > 0.86 for d in range(2, prof.max_depth))
+    assert auto.memory.profile.at_risk[1][0] == pytest.approx(
+        50 * 0.98 ** 300 + sum(0.98 ** k for k in range(300)))
 
 
 COSTS = dict(draft_cost=ForwardCost(0.0, 1e-5, 1e-4))
@@ -221,12 +252,16 @@ def test_at_t_above_0_each_draft_mode_predicts_from_its_own_verdicts():
             auto.observe(chain, torch.tensor([[0, 1, 2, 3, 4]]))
     pooled = auto.memory.profile.hazards()
     own = auto.memory.by_mode["chain"].hazards(pooled)
-    assert own[0] > 0.95 and pooled[0] < 0.9  # the pooled profile's 1e6 tree verdicts hold it
-    assert auto.model("chain:4")[0] == pytest.approx(sum(own[0] ** k for k in range(5)))
+    assert own[0][0] > 0.95 and pooled[0][0] < 0.9  # the pooled profile's 1e6 tree verdicts hold it
+
+    def chain_tau(h, n):
+        return 1 + sum(math.prod(h[d][0] for d in range(k)) for k in range(1, n + 1))
+
+    assert auto.model("chain:4")[0] == pytest.approx(chain_tau(own, 4))
     assert auto.model("caterpillar:2,2,2,2")[0] == pytest.approx(
         expected_tau(parse_drafter("caterpillar:2,2,2,2").parents, auto.memory.profile.rank_probs()))
     auto.by_mode = False  # T = 0: one pooled profile for every mode
-    assert auto.model("chain:4")[0] == pytest.approx(sum(pooled[0] ** k for k in range(5)))
+    assert auto.model("chain:4")[0] == pytest.approx(chain_tau(pooled, 4))
 
 
 def test_memory_carries_over_generate_calls_per_pair_and_setting(tmp_path, monkeypatch):
