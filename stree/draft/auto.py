@@ -20,9 +20,8 @@ predicted from a running acceptance profile:
   from it. At T = 0 every mode is verified by the same greedy rule and one pooled profile
   serves all.
 * A fixed shape's tau is ``1 + sum over nodes of the product of p[depth][rank] along its
-  path``; a
-  dynamic budget ``dyspec:N`` is predicted by the best N-node tree under ``p`` (greedy, DySpec
-  Thm D.1), which it adapts per step.
+  path``; a dynamic budget ``dyspec:N`` is predicted by the best N-node tree under ``p``
+  (greedy, DySpec Thm D.1), which it adapts per step.
 * The model misses in ways the profile cannot see (ASpS's acceptance grows with the chain's
   length; acceptance is correlated along a path), so each candidate also keeps its measured
   tau against the tau the model predicted for the same steps, and its prediction is the

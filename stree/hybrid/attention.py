@@ -99,8 +99,8 @@ def _split_qkv(module: LlamaAttention, state_dict, prefix, local_metadata) -> No
 def _join_qkv(module: LlamaAttention, state_dict, prefix, local_metadata, strict, missing_keys,
               unexpected_keys, error_msgs) -> None:
     """``load_state_dict`` pre-hook: the checkpoint's q/k/v weights as one ``qkv_proj.weight``.
-    Left alone unless all three are present (a missing one is then reported under its own name
-    by the strict check, the fused name as missing too)."""
+    Left alone unless all three are present (stree's loaders name a missing checkpoint key
+    before loading; a strict ``load_state_dict`` then reports the fused name as missing)."""
     keys = [prefix + name for name in _QKV_NAMES]
     if all(key in state_dict for key in keys):
         state_dict[prefix + "qkv_proj.weight"] = torch.cat([state_dict.pop(key) for key in keys], dim=0)
