@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from stree.layers.sdpa import attention, fold_mask
 
 from .cache import AttentionLayerCache
 from .rotary import RotaryEmbedding, rotate, signed_tables
@@ -53,16 +54,13 @@ class LlamaAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                causal: bool = False) -> torch.Tensor:
-        """q (b, hq, l, hd), k/v (b, hkv, s, hd) -> (b, l, hq * hd).
+        """q (b, hq, l, hd), k/v (b, hkv, s, hd) -> (b, l, hq * hd) (:func:`stree.layers.sdpa.attention`).
 
-        mask: bool, broadcastable to (b, hq, l, s), True = visible; or ``causal`` (needs l == s).
+        mask: bool (True = visible), broadcastable to (b, 1, l, s); or ``causal`` (needs l == s).
         """
-        rep = self.num_heads // self.num_key_value_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             scale=self.softmax_scale)
-        return out.transpose(1, 2).flatten(-2)
+        if mask is not None:
+            mask = fold_mask(mask, self.num_heads // self.num_key_value_heads)
+        return attention(q, k, v, self.softmax_scale, mask=mask, causal=causal)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cache: AttentionLayerCache | None = None, start: int = 0) -> torch.Tensor:

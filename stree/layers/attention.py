@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from stree._mamba import mamba_ssm  # noqa: F401
 from mamba_ssm.modules.mha import MHA
 
 from stree.cache import AttentionActivations, AttentionLayerCache
+from stree.layers import sdpa
 
 
 class _MHAView:
@@ -98,17 +98,19 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
     return visible[:, None]
 
 
-def _attend(a, q, cache: AttentionLayerCache, span: int, mask):
-    """SDPA of ``q (b, l, hq, d)`` over the rows' keys ``[0, span)``; ``mask`` additive (0 / -inf)
-    in the cache's dtype, broadcastable to ``(b, hq, l, span)``."""
+def _attend(a, q, cache: AttentionLayerCache, span: int, mask=None, causal: bool = False):
+    """Attention of ``q (b, l, hq, d)`` over the rows' keys ``[0, span)`` (:func:`sdpa.attention`:
+    ``mask`` additive in the cache's dtype and folded for the layer's query groups, or
+    ``causal``) -> ``(b, l, hq * d)``."""
     k, v = cache.keys(span)  # the rows' positions [0, span)
     q = q.transpose(1, 2)
-    # enable_gqa: query head h reads K/V head h // (hq / hkv) without materialising repeated K/V
-    out = F.scaled_dot_product_attention(q if q.dtype == k.dtype else q.to(k.dtype), k, v,
-                                         attn_mask=mask,
-                                         scale=scale_of(a),
-                                         enable_gqa=a.num_heads != a.num_key_value_heads)
-    return out.transpose(1, 2).flatten(2)  # (b, l, hq * d)
+    return sdpa.attention(q if q.dtype == k.dtype else q.to(k.dtype), k, v, scale_of(a),
+                          mask=mask, causal=causal)
+
+
+def _groups(a) -> int:
+    """Query heads per K/V head."""
+    return a.num_heads // a.num_key_value_heads
 
 
 def additive(mask: torch.Tensor, dtype) -> torch.Tensor:
@@ -129,9 +131,10 @@ def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Ten
     """What every attention layer of one tree forward reuses, built once per tree from its
     ancestor ``mask (b, n, n)`` and ``depth (b, n)``: rotary positions ``lengths + depth``, the
     key ``span``, one set of rotation matrices per rotary configuration among ``adapters`` (the
-    model's attention adapters) and, per dtype and shape among ``caches`` (their
-    :class:`AttentionLayerCache`), the additive mask (:func:`tree_mask`) and the flat indices of
-    the scratch slots ``lengths + i`` (:meth:`AttentionLayerCache.flat_index`).
+    model's attention adapters) and, per layer kind among ``adapters`` and ``caches`` (their
+    :class:`AttentionLayerCache`, in the same order), the additive mask (:func:`tree_mask`, per
+    dtype and query group size, folded by :func:`sdpa.fold_mask`) and the flat indices of the
+    scratch slots ``lengths + i`` (:meth:`AttentionLayerCache.flat_index`, per cache shape).
 
     ``nodes (b, w)``: only these nodes are queried (level-by-level drafting): their mask rows,
     positions and slots; the K/V of their ancestors must already sit in the scratch."""
@@ -147,12 +150,16 @@ def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Ten
     for a in adapters:
         if hasattr(a, "rotary_tables") and a.rotary_key not in tables:
             tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))
-    for c in caches:
-        if ("mask", c.k.dtype) not in tables:
-            tables["mask", c.k.dtype] = additive(mask, c.k.dtype)
+    for a, c in zip(adapters, caches):
+        if _mask_key(a, c) not in tables:
+            tables[_mask_key(a, c)] = sdpa.fold_mask(additive(mask, c.k.dtype), _groups(a))
         if _slots_key(c) not in tables:
             tables[_slots_key(c)] = c.flat_index(rows, lengths[:, None] + nodes)
     return tables
+
+
+def _mask_key(a, cache: AttentionLayerCache):
+    return ("mask", cache.k.dtype, _groups(a))
 
 
 def _slots_key(cache: AttentionLayerCache):
@@ -188,7 +195,7 @@ def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
     else:
         q, k = a.apply_rotary(q, k, shared["positions"])
     _write(cache, shared[_slots_key(cache)], k, v)  # at the scratch slots lengths + i
-    out = _attend(a, q, cache, shared["span"], shared["mask", cache.k.dtype])
+    out = _attend(a, q, cache, shared["span"], shared[_mask_key(a, cache)])
     return a.o_proj(out), AttentionActivations()
 
 
@@ -201,5 +208,7 @@ def prefill(a, h, cache: AttentionLayerCache, start: int):
     q, k = a.apply_rotary(q, k, pos)
     _write(cache, cache.flat_index(torch.arange(b, device=h.device)[:, None], pos), k, v)
     span = start + l
+    if start == 0:  # causal within the prompt: no mask (flash on CUDA)
+        return a.o_proj(_attend(a, q, cache, span, causal=True))
     mask = torch.ones(l, span, dtype=torch.bool, device=h.device).tril(diagonal=start)
-    return a.o_proj(_attend(a, q, cache, span, additive(mask, cache.k.dtype)))
+    return a.o_proj(_attend(a, q, cache, span, sdpa.fold_mask(additive(mask, cache.k.dtype), _groups(a))))
