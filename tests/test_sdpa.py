@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from stree.layers.sdpa import attention, fold_mask
+from stree.layers.sdpa import attention, causal_after, fold_mask
 
 
 def reference(q, k, v, scale, visible):
@@ -50,6 +50,15 @@ def test_causal_and_unmasked_gqa_match_the_definition(hq, hkv):
     q1 = q[:, :, -1:]  # one decoding query sees every key
     assert torch.allclose(attention(q1, k, v, 0.5).double(),
                           reference(q1, k, v, 0.5, torch.ones(1, 1, 1, 7, dtype=torch.bool)), atol=1e-5)
+
+
+@pytest.mark.parametrize("start, l", [(0, 6), (5, 1), (5, 4)])
+def test_causal_after_a_prefix_matches_the_definition(start, l):
+    """Queries at positions start..start+l-1 see the keys up to their own position."""
+    q, k, v = inputs(2, 6, 2, l, start + l, seed=start + l)
+    visible = torch.arange(start + l)[None, :] <= (start + torch.arange(l))[:, None]
+    assert torch.allclose(causal_after(q, k, v, 0.4, start).double(),
+                          reference(q, k, v, 0.4, visible[None, None]), atol=1e-5)
 
 
 def test_fold_mask_rows_are_the_group_heads_queries():

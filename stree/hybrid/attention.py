@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stree.layers.sdpa import attention, fold_mask
+from stree.layers.sdpa import causal_after
 
 from .cache import AttentionLayerCache
 from .rotary import RotaryEmbedding, rotate, signed_tables
@@ -52,16 +52,6 @@ class LlamaAttention(nn.Module):
     def rotary_key(self):
         return ("llama", self.head_dim, self.rotary.theta, repr(self.rotary.scaling))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-               causal: bool = False) -> torch.Tensor:
-        """q (b, hq, l, hd), k/v (b, hkv, s, hd) -> (b, l, hq * hd) (:func:`stree.layers.sdpa.attention`).
-
-        mask: bool (True = visible), broadcastable to (b, 1, l, s); or ``causal`` (needs l == s).
-        """
-        if mask is not None:
-            mask = fold_mask(mask, self.num_heads // self.num_key_value_heads)
-        return attention(q, k, v, self.softmax_scale, mask=mask, causal=causal)
-
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cache: AttentionLayerCache | None = None, start: int = 0) -> torch.Tensor:
         """hidden_states (b, l, d), positions (b, l) -> (b, l, d).
@@ -74,14 +64,11 @@ class LlamaAttention(nn.Module):
         q, k = self.apply_rotary(q, k, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, l, hd)
         if cache is None:
-            return self.o_proj(self.attend(q, k, v, causal=True))
+            return self.o_proj(causal_after(q, k, v, self.softmax_scale))
         cache.k[:, :, start:start + l] = k
         cache.v[:, :, start:start + l] = v
         k, v = cache.k[:, :, :start + l], cache.v[:, :, :start + l]
-        # Bottom-right aligned causal mask (SDPA's is_causal is top-left aligned when l != s); a single
-        # query sees every cached key and needs none.
-        mask = torch.ones(l, start + l, dtype=torch.bool, device=q.device).tril(diagonal=start) if l > 1 else None
-        return self.o_proj(self.attend(q, k, v, mask))
+        return self.o_proj(causal_after(q, k, v, self.softmax_scale, start))
 
 
 _QKV_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight")

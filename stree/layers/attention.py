@@ -98,14 +98,18 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
     return visible[:, None]
 
 
-def _attend(a, q, cache: AttentionLayerCache, span: int, mask=None, causal: bool = False):
-    """Attention of ``q (b, l, hq, d)`` over the rows' keys ``[0, span)`` (:func:`sdpa.attention`:
-    ``mask`` additive in the cache's dtype and folded for the layer's query groups, or
-    ``causal``) -> ``(b, l, hq * d)``."""
+def _attend(a, q, cache: AttentionLayerCache, span: int, mask: torch.Tensor | None = None,
+            start: int | None = None):
+    """Attention of ``q (b, l, hq, d)`` over the rows' keys ``[0, span)`` -> ``(b, l, hq * d)``:
+    with ``mask`` (additive in the cache's dtype, folded for the layer's query groups;
+    :func:`sdpa.attention`), or causal after ``start`` committed positions
+    (:func:`sdpa.causal_after`)."""
     k, v = cache.keys(span)  # the rows' positions [0, span)
     q = q.transpose(1, 2)
-    return sdpa.attention(q if q.dtype == k.dtype else q.to(k.dtype), k, v, scale_of(a),
-                          mask=mask, causal=causal)
+    q = q if q.dtype == k.dtype else q.to(k.dtype)
+    if mask is None:
+        return sdpa.causal_after(q, k, v, scale_of(a), start)
+    return sdpa.attention(q, k, v, scale_of(a), mask=mask)
 
 
 def _groups(a) -> int:
@@ -207,8 +211,4 @@ def prefill(a, h, cache: AttentionLayerCache, start: int):
     pos = start + torch.arange(l, device=h.device).expand(b, l)
     q, k = a.apply_rotary(q, k, pos)
     _write(cache, cache.flat_index(torch.arange(b, device=h.device)[:, None], pos), k, v)
-    span = start + l
-    if start == 0:  # causal within the prompt: no mask (flash on CUDA)
-        return a.o_proj(_attend(a, q, cache, span, causal=True))
-    mask = torch.ones(l, span, dtype=torch.bool, device=h.device).tril(diagonal=start)
-    return a.o_proj(_attend(a, q, cache, span, sdpa.fold_mask(additive(mask, cache.k.dtype), _groups(a))))
+    return a.o_proj(_attend(a, q, cache, start + l, start=start))

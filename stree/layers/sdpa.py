@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "fold_mask"]
+__all__ = ["attention", "causal_after", "fold_mask"]
 
 
 def fold_mask(mask: torch.Tensor, rep: int) -> torch.Tensor:
@@ -50,3 +50,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                          scale=scale)
     # (b, hkv, rep * l, d) -> (b, l, hkv, rep, d): heads back in the order h = g * rep + r
     return out.view(b, hkv, rep, l, d).permute(0, 3, 1, 2, 4).reshape(b, l, hq * d)
+
+
+def causal_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 start: int = 0) -> torch.Tensor:
+    """Causal attention of ``q (b, hq, l, d)``, positions ``start .. start + l - 1``, over
+    ``k, v (b, hkv, start + l, d)``: each query sees the keys up to its own position ->
+    ``(b, l, hq * d)``. From position 0 SDPA's ``is_causal``; one query needs no mask; otherwise
+    a bottom-right aligned mask (``is_causal`` is top-left aligned when ``l != s``)."""
+    l = q.shape[2]
+    if start == 0:
+        return attention(q, k, v, scale, causal=True)
+    if l == 1:
+        return attention(q, k, v, scale)
+    mask = torch.ones(l, start + l, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    return attention(q, k, v, scale, mask=fold_mask(mask, q.shape[1] // k.shape[1]))
