@@ -105,6 +105,12 @@ class AttentionLayerCache:
         base = self.index(rows) * (heads * max_seqlen) + pos
         return base[..., None] + torch.arange(heads, device=pos.device) * max_seqlen
 
+    @property
+    def layout(self) -> tuple[int, int]:
+        """``(n_kv_heads, max_seqlen)``: what :meth:`flat_index` depends on besides the rows, so
+        layers of equal layout share one table per step."""
+        return self.k.shape[1], self.k.shape[2]
+
     def keys(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v (b, n_kv_heads, span, head_dim)`` of the rows: views of positions ``[0, span)``."""
         return self.k[:, :, :span], self.v[:, :, :span]
@@ -166,7 +172,7 @@ class AttentionActivations:
                shared: dict) -> None:
         """Add to ``shared`` the flat source and destination indices of the accepted nodes'
         K/V (per cache shape), once per commit."""
-        key = ("kv", layer.k.shape[1], layer.k.shape[2])
+        key = ("kv", layer.layout)
         if key not in shared:
             dst = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
             # padded slots copy the node itself onto a position past the new length: harmless
@@ -176,7 +182,7 @@ class AttentionActivations:
 
     def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
-        src, dst = shared["kv", layer.k.shape[1], layer.k.shape[2]]
+        src, dst = shared["kv", layer.layout]
         for t in (layer.k, layer.v):
             flat = t.view(-1, t.shape[-1])
             flat.index_copy_(0, dst, flat.index_select(0, src))  # gathered first: they overlap

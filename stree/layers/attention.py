@@ -167,7 +167,7 @@ def _mask_key(a, cache: AttentionLayerCache):
 
 
 def _slots_key(cache: AttentionLayerCache):
-    return ("slots", cache.k.shape[1], cache.k.shape[2])
+    return ("slots", cache.layout)
 
 
 def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
