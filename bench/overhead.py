@@ -5,8 +5,8 @@ levels) and one verify (target ``tree_forward`` + verifier)) this reports:
 
 * **ops per layer**, by layer type (``Mamba2``, ``Mamba2GQA``, ``MHA``, ``LlamaAttention``): the aten
   ops dispatched from Python inside that layer's mixer (``ops``: top-level aten calls, i.e. what the
-  library issues; ``compute``: those of them that are not views, i.e. what launches a kernel on a
-  GPU; ``dispatches``: every aten event including the ones aten ops call internally).
+  library issues; ``compute``: those of them that are not views, or are views that had to copy
+  (a ``reshape`` of non-viewable strides clones), i.e. what launches a kernel on a GPU; ``dispatches``: every aten event including the ones aten ops call internally).
   Per-layer scopes come from wrapping stree's per-layer entry points in ``record_function`` here
   (nothing in the library is instrumented); ``rest`` is everything outside the mixers (embedding,
   norms, MLPs, LM head, per-tree tables, validation), per call. On CUDA ``kernels`` counts the
@@ -67,6 +67,7 @@ VIEW_OPS = {f"aten::{n}" for n in (
     "permute", "expand", "expand_as", "slice", "select", "split", "split_with_sizes", "chunk",
     "unflatten", "flatten", "narrow", "as_strided", "alias", "detach", "unbind", "view_as",
     "movedim", "diagonal", "unfold", "lift_fresh")}
+COPY_OPS = {"aten::clone", "aten::copy_"}  # what makes a view op (reshape, flatten) a kernel
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -209,7 +210,7 @@ def profile_call(fn, cuda: bool):
                 kernels += len(getattr(c, "kernels", []) or [])
                 if _aten_parent(c) is None:
                     ops += 1
-                    compute += c.name not in VIEW_OPS
+                    compute += c.name not in VIEW_OPS or _copies(c)
             stack.extend(c.cpu_children)
         agg = scopes.setdefault(e.name[len(SCOPE):], {"calls": 0, "ops": 0, "compute": 0,
                                                       "dispatches": 0, "kernels": 0, "launches": 0})
@@ -220,6 +221,17 @@ def profile_call(fn, cuda: bool):
         agg["kernels"] += kernels
         agg["launches"] += launches
     return out, scopes, top_total
+
+
+def _copies(e) -> bool:
+    """Whether an op copied data somewhere inside it (a view op that could not be a view)."""
+    stack = list(e.cpu_children)
+    while stack:
+        c = stack.pop()
+        if c.name in COPY_OPS:
+            return True
+        stack.extend(c.cpu_children)
+    return False
 
 
 def _ancestor(e, prefix: str):

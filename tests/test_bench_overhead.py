@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -46,3 +47,16 @@ def test_overhead_gpu_path_counts_kernel_launches(tmp_path):
                       if t.startswith("Mamba"))
         assert commit["launches"] == 1  # SSM replay
     assert all(r["gpu_path"] for r in rows)
+
+
+def test_compute_ops_count_a_reshape_that_copies():
+    """A view op that has to copy (``reshape`` of a transposed tensor) launches a kernel; one that
+    stays a view does not."""
+    def f():
+        with torch.profiler.record_function(overhead.SCOPE + "x"):
+            a = torch.ones(4, 6).t()  # ones: compute; t: view
+            a.reshape(-1)  # copies: compute
+            a.t().reshape(-1)  # t and reshape stay views
+    _, scopes, _ = overhead.profile_call(f, cuda=False)
+    assert scopes["x"]["ops"] == 5
+    assert scopes["x"]["compute"] == 2

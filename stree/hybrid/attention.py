@@ -31,12 +31,15 @@ class LlamaAttention(nn.Module):
         self.register_state_dict_post_hook(_split_qkv)
         self.register_load_state_dict_pre_hook(_join_qkv)
 
+    def project_heads(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states (b, l, d) -> ``(b, l, hq + 2 * hkv, hd)``: the q heads, then k's, then
+        v's, before rotary (one view of the fused projection)."""
+        return self.qkv_proj(hidden_states).unflatten(-1, (-1, self.head_dim))
+
     def project_qkv(self, hidden_states: torch.Tensor):
         """hidden_states (b, l, d) -> q (b, l, hq, hd), k, v (b, l, hkv, hd), before rotary."""
-        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
-        return (q.unflatten(-1, (self.num_heads, self.head_dim)),
-                k.unflatten(-1, (self.num_key_value_heads, self.head_dim)),
-                v.unflatten(-1, (self.num_key_value_heads, self.head_dim)))
+        hkv = self.num_key_value_heads
+        return self.project_heads(hidden_states).split((self.num_heads, hkv, hkv), dim=2)
 
     def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """Rotate q (b, l, hq, hd) and k (b, l, hkv, hd) to ``positions (b, l)``."""

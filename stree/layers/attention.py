@@ -34,11 +34,8 @@ class _MHAView:
         self.scale = m.softmax_scale if m.softmax_scale is not None else 1.0 / math.sqrt(m.head_dim)
 
     def project_qkv(self, h):
-        qkv = self.m.in_proj(h)
-        hq, hkv, d = self.num_heads, self.num_key_value_heads, self.head_dim
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        shape = h.shape[:-1]
-        return q.view(*shape, hq, d), k.view(*shape, hkv, d), v.view(*shape, hkv, d)
+        hkv = self.num_key_value_heads
+        return self.m.in_proj(h).unflatten(-1, (-1, self.head_dim)).split((self.num_heads, hkv, hkv), dim=2)
 
     def apply_rotary(self, q, k, positions):
         dim = self.m.rotary_emb_dim
@@ -171,20 +168,34 @@ def _slots_key(cache: AttentionLayerCache):
 
 
 def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``(b, l, d, d)`` with ``x @ R == x * cos + roll(x, d/2) * sin`` (rotate-half RoPE; ``sin``
-    with its first half negated, both ``(b, l, 1, d)``): a tree's nodes are few, so one matmul
-    per tensor replaces three elementwise ops in every layer."""
+    """``(b * l, d, d)`` with ``x @ R == x * cos + roll(x, d/2) * sin`` for each of the ``b * l``
+    positions (rotate-half RoPE; ``sin`` with its first half negated, both ``(b, l, 1, d)``): a
+    tree's nodes are few, so one matmul replaces three elementwise ops per tensor in every layer."""
     d = cos.shape[-1]
-    return torch.diag_embed(cos[:, :, 0]) + torch.diag_embed(sin[:, :, 0]).roll(d // 2, dims=-2)
+    rot = torch.diag_embed(cos[:, :, 0]) + torch.diag_embed(sin[:, :, 0]).roll(d // 2, dims=-2)
+    return rot.flatten(0, 1)
 
 
 def _rotate_by(x, rot):
-    """``x (b, l, heads, d) @ rot (b, l, d, d)`` in fp32, returned in x's dtype (one 3-D bmm:
+    """``x (b, l, heads, d) @ rot (b * l, d, d)`` in fp32, returned in x's dtype (one 3-D bmm:
     matmul's broadcasting over (b, l) dispatches several times more ops)."""
     b, l, heads, d = x.shape
-    out = torch.bmm((x if x.dtype == torch.float32 else x.float()).reshape(b * l, heads, d),
-                    rot.reshape(b * l, d, d)).view(b, l, heads, d)
+    out = torch.bmm((x if x.dtype == torch.float32 else x.float()).flatten(0, 1), rot)
+    out = out.view(b, l, heads, d)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _project(a, h, shared: dict):
+    """``q (b, n, hq, d)``, ``k, v (b, n, hkv, d)`` of the tree nodes ``h``, q and k rotated.
+    Adapters with rotation matrices (``rotary_tables``) have a fused projection
+    (``project_heads``): their q and k heads are adjacent, so one product rotates both."""
+    if not hasattr(a, "rotary_tables"):
+        q, k, v = a.project_qkv(h)
+        return (*a.apply_rotary(q, k, shared["positions"]), v)
+    hq, hkv = a.num_heads, a.num_key_value_heads
+    heads = a.project_heads(h)
+    q, k = _rotate_by(heads[:, :, :hq + hkv], shared[a.rotary_key]).split((hq, hkv), dim=2)
+    return q, k, heads[:, :, hq + hkv:]
 
 
 def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
@@ -193,11 +204,7 @@ def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
     ``shared`` = :func:`tree_tables` of the tree; its ``span`` (keys read) is the max committed
     length + n, or ``max_seqlen`` for a static-shape step (the mask hides the rest).
     """
-    q, k, v = a.project_qkv(h)
-    if hasattr(a, "rotary_tables"):
-        q, k = _rotate_by(q, shared[a.rotary_key]), _rotate_by(k, shared[a.rotary_key])
-    else:
-        q, k = a.apply_rotary(q, k, shared["positions"])
+    q, k, v = _project(a, h, shared)
     _write(cache, shared[_slots_key(cache)], k, v)  # at the scratch slots lengths + i
     out = _attend(a, q, cache, shared["span"], shared[_mask_key(a, cache)])
     return a.o_proj(out), AttentionActivations()
