@@ -67,53 +67,65 @@ class MambaLayerCache:
 
 @dataclass
 class AttentionLayerCache:
-    """Committed K/V of one attention layer: ``k, v (b, n_kv_heads, max_seqlen, head_dim)``.
+    """Committed K/V of one attention layer: ``kv (b, 2, n_kv_heads, max_seqlen, head_dim)``, keys
+    at ``kv[:, 0]`` (:attr:`k`), values at ``kv[:, 1]`` (:attr:`v`).
 
     Positions ``[0, lengths[b])`` are committed; a tree forward writes its nodes' K/V as scratch at
-    ``lengths[b] + i``.
+    ``lengths[b] + i``. K and V share one tensor, row-major, so a commit moves both with one
+    gather and one scatter, and a run of rows (or a pool slot) stays one contiguous block.
     """
-    k: torch.Tensor
-    v: torch.Tensor
+    kv: torch.Tensor
 
     @classmethod
     def zeros(cls, batch_size, num_kv_heads, max_seqlen, head_dim, *, dtype, device):
-        shape = (batch_size, num_kv_heads, max_seqlen, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device))
+        return cls(torch.zeros(batch_size, 2, num_kv_heads, max_seqlen, head_dim, dtype=dtype,
+                               device=device))
+
+    @property
+    def k(self) -> torch.Tensor:
+        """``(b, n_kv_heads, max_seqlen, head_dim)`` keys (a view)."""
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """``(b, n_kv_heads, max_seqlen, head_dim)`` values (a view)."""
+        return self.kv[:, 1]
 
     def rows(self, start: int, stop: int) -> "AttentionLayerCache":
         """Rows ``[start, stop)`` as views (sharing storage)."""
-        return AttentionLayerCache(self.k[start:stop], self.v[start:stop])
+        return AttentionLayerCache(self.kv[start:stop])
 
     def gather(self, slots: torch.Tensor) -> "PooledAttentionCache":
         """The K/V of pool slots ``slots (b,)``, read and written in place (no copy)."""
-        return PooledAttentionCache(self.k, self.v, slots)
+        return PooledAttentionCache(self.kv, slots)
 
     def scatter(self, slots: torch.Tensor, rows) -> None:
         pass  # written in place through the slot index
 
     def index(self, rows: torch.Tensor) -> torch.Tensor:
-        """The index into the first axis of ``k, v`` that reaches the batch rows ``rows (b, 1)``
+        """The index into the first axis of ``kv`` that reaches the batch rows ``rows (b, 1)``
         (``arange(b)[:, None]``): the rows themselves here, their slots in a pooled cache."""
         return rows
 
     def flat_index(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """``(b, l, n_kv_heads)`` indices into ``k.view(-1, head_dim)`` (and ``v``'s) of the batch
-        rows ``rows (b, 1)`` at positions ``pos (b, l)``: with them a write or a move of K/V is
-        one ``index_put_`` / ``index_copy_`` per tensor (``k`` and ``v`` are contiguous)."""
-        _, heads, max_seqlen, _ = self.k.shape
-        base = self.index(rows) * (heads * max_seqlen) + pos
-        return base[..., None] + torch.arange(heads, device=pos.device) * max_seqlen
+        """``(b, l, 2, n_kv_heads)`` indices into ``kv.view(-1, head_dim)`` of the keys
+        (``[:, :, 0]``) and values (``[:, :, 1]``) of the batch rows ``rows (b, 1)`` at positions
+        ``pos (b, l)``: with them a write of K or V is one ``index_put_`` and a move of both one
+        ``index_select`` + ``index_copy_``."""
+        _, _, heads, max_seqlen, _ = self.kv.shape
+        base = self.index(rows) * (2 * heads * max_seqlen) + pos
+        offsets = torch.arange(2 * heads, device=pos.device).view(2, heads) * max_seqlen
+        return base[..., None, None] + offsets
 
     @property
     def layout(self) -> tuple[int, int]:
         """``(n_kv_heads, max_seqlen)``: what :meth:`flat_index` depends on besides the rows, so
         layers of equal layout share one table per step."""
-        return self.k.shape[1], self.k.shape[2]
+        return self.kv.shape[2], self.kv.shape[3]
 
     def keys(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v (b, n_kv_heads, span, head_dim)`` of the rows: views of positions ``[0, span)``."""
-        return self.k[:, :, :span], self.v[:, :, :span]
+        return self.kv[:, :, :, :span].unbind(1)
 
     def reset(self, slots: torch.Tensor | None = None) -> None:
         pass  # lengths define what is valid; stale K/V past them is never read
@@ -122,9 +134,9 @@ class AttentionLayerCache:
 @dataclass
 class PooledAttentionCache(AttentionLayerCache):
     """The K/V of ``b`` rows kept in the slots ``slots (b,)`` int64 of a pool's
-    ``k, v (num_slots, n_kv_heads, max_seqlen, head_dim)``: writes go to ``k[slots[r], :, pos]``
-    in place; reads gather the rows' ``[0, span)`` positions for attention (one copy of the
-    span per layer and step, the size of what attention reads anyway; an engine's paged
+    ``kv (num_slots, 2, n_kv_heads, max_seqlen, head_dim)``: writes go to ``kv[slots[r], :, :,
+    pos]`` in place; reads gather the rows' ``[0, span)`` positions for attention (one copy of
+    the span per layer and step, the size of what attention reads anyway; an engine's paged
     attention kernel would read the pool by the same index instead)."""
     slots: torch.Tensor
 
@@ -132,7 +144,7 @@ class PooledAttentionCache(AttentionLayerCache):
         return self.slots[:, None]
 
     def keys(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[self.slots, :, :span], self.v[self.slots, :, :span]
+        return self.kv[self.slots, :, :, :span].unbind(1)
 
 
 @dataclass
@@ -171,7 +183,7 @@ class AttentionActivations:
     def tables(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
         """Add to ``shared`` the flat source and destination indices of the accepted nodes'
-        K/V (per cache shape), once per commit."""
+        K and V (per cache layout), once per commit."""
         key = ("kv", layer.layout)
         if key not in shared:
             dst = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
@@ -183,9 +195,8 @@ class AttentionActivations:
     def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
         src, dst = shared["kv", layer.layout]
-        for t in (layer.k, layer.v):
-            flat = t.view(-1, t.shape[-1])
-            flat.index_copy_(0, dst, flat.index_select(0, src))  # gathered first: they overlap
+        flat = layer.kv.view(-1, layer.kv.shape[-1])
+        flat.index_copy_(0, dst, flat.index_select(0, src))  # gathered first: they overlap
 
 
 @dataclass
@@ -349,7 +360,7 @@ class StatePool:
     Attributes:
         layers: ``{layer_idx: MambaLayerCache | AttentionLayerCache}`` with ``num_slots`` on the
             batch axis: ``conv_state (P, c, w)``, ``ssm_state (P, h, p, s)``,
-            ``k, v (P, hkv, max_seqlen, d)``.
+            ``kv (P, 2, hkv, max_seqlen, d)``.
         max_seqlen: tokens per slot (attention K/V capacity).
     """
     layers: dict

@@ -59,8 +59,8 @@ def _check_rows_equal(cache, pool, slots, ref, when):
     got, want = _tensors(pool.layers), _tensors(ref.layers)
     for key, t in want.items():
         for r, s in enumerate(slots):
-            n = ref.seqlens[r]  # K/V: the committed positions only
-            a, b = (got[key][s], t[r]) if key[1].endswith("state") else (got[key][s, :, :n], t[r, :, :n])
+            n = ref.seqlens[r]  # K/V (kv: ..., position, head_dim): the committed positions only
+            a, b = (got[key][s], t[r]) if key[1].endswith("state") else (got[key][s][..., :n, :], t[r][..., :n, :])
             assert torch.equal(a, b), f"{when}: {key} row {r} (slot {s})"
 
 
@@ -166,17 +166,19 @@ def test_bad_slots_are_refused_and_lose_nothing(slots, match):
 
 
 def test_attention_flat_index_reaches_row_head_position():
-    """K/V writes and commit moves go through one flat index per tensor: entry (r, i, h) of
-    ``flat_index`` is ``[slot of row r, h, pos[r, i]]`` of ``k`` (the row itself unpooled)."""
+    """K/V writes and commit moves go through one flat index into ``kv``: entry (r, i, 0, h) of
+    ``flat_index`` is ``k[slot of row r, h, pos[r, i]]`` (the row itself unpooled), entry
+    (r, i, 1, h) the same position of ``v``."""
     from stree.cache import AttentionLayerCache
 
     cache = AttentionLayerCache.zeros(5, 3, 16, 4, dtype=torch.float32, device="cpu")
-    cache.k.copy_(torch.arange(cache.k.numel(), dtype=torch.float32).view(cache.k.shape))
+    cache.kv.copy_(torch.arange(cache.kv.numel(), dtype=torch.float32).view(cache.kv.shape))
     pos = torch.tensor([[2, 3, 7], [0, 9, 15]])
     for view, slots in ((cache.rows(1, 3), torch.tensor([1, 2])),
                         (cache.gather(torch.tensor([4, 0])), torch.tensor([4, 0]))):
         index = view.flat_index(torch.arange(2)[:, None], pos)
-        assert index.shape == (2, 3, 3)
-        got = view.k.reshape(-1, 4)[index]  # (row, node, head, d)
-        want = cache.k[slots[:, None, None], torch.arange(3), pos[:, :, None]]
-        assert torch.equal(got, want)
+        assert index.shape == (2, 3, 2, 3)
+        for j, t in enumerate((cache.k, cache.v)):
+            got = view.kv.reshape(-1, 4)[index[:, :, j]]  # (row, node, head, d)
+            want = t[slots[:, None, None], torch.arange(3), pos[:, :, None]]
+            assert torch.equal(got, want)

@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
             return self.o_proj(causal_after(q, k, v, self.softmax_scale))
         cache.k[:, :, start:start + l] = k
         cache.v[:, :, start:start + l] = v
-        k, v = cache.k[:, :, :start + l], cache.v[:, :, :start + l]
+        k, v = cache.keys(start + l)
         return self.o_proj(causal_after(q, k, v, self.softmax_scale, start))
 
 

@@ -3,8 +3,8 @@
 Per-layer layouts are those of the tree cache contract (docs/ARCHITECTURE.md): Mamba layers keep
 mamba_ssm's ``conv_state (b, conv_dim, d_conv)`` (raw pre-conv inputs, column ``d_conv - 1`` newest,
 channels-last strides like mamba_ssm so causal-conv1d kernels accept it) and ``ssm_state (b, h, p, s)``;
-attention layers keep ``k, v (b, hkv, max_seqlen, head_dim)``. All rows of a batch hold the same
-number of tokens, ``seqlen``.
+attention layers keep ``kv (b, 2, hkv, max_seqlen, head_dim)`` (keys, then values). All rows of a
+batch hold the same number of tokens, ``seqlen``.
 """
 from __future__ import annotations
 

@@ -77,9 +77,8 @@ def scale_of(a) -> float:
 
 
 def allocate(a, batch_size: int, max_seqlen: int, dtype, device) -> AttentionLayerCache:
-    shape = (batch_size, a.num_key_value_heads, max_seqlen, a.head_dim)
-    return AttentionLayerCache(torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device))
+    return AttentionLayerCache.zeros(batch_size, a.num_key_value_heads, max_seqlen, a.head_dim,
+                                     dtype=dtype, device=device)
 
 
 def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
@@ -120,11 +119,12 @@ def additive(mask: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _write(cache: AttentionLayerCache, index: torch.Tensor, k, v):
-    """Write ``k, v (b, l, hkv, d)`` at the flat ``index (b, l, hkv)``
-    (:meth:`AttentionLayerCache.flat_index`)."""
-    for t, x in ((cache.k, k), (cache.v, v)):
-        t.view(-1, t.shape[-1]).index_put_((index,), x if x.dtype == t.dtype else x.to(t.dtype))
+def _write(cache: AttentionLayerCache, index: tuple[torch.Tensor, torch.Tensor], k, v):
+    """Write ``k, v (b, l, hkv, d)`` at the flat indices ``index`` (K's and V's ``(b, l, hkv)``,
+    :meth:`AttentionLayerCache.flat_index` unbound)."""
+    flat = cache.kv.view(-1, cache.kv.shape[-1])
+    for i, x in zip(index, (k, v)):
+        flat.index_put_((i,), x if x.dtype == flat.dtype else x.to(flat.dtype))
 
 
 def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, span: int,
@@ -153,14 +153,14 @@ def tree_tables(ancestors: torch.Tensor, depth: torch.Tensor, lengths: torch.Ten
             tables[a.rotary_key] = rotation_matrices(*a.rotary_tables(positions))
     for a, c in zip(adapters, caches):
         if _mask_key(a, c) not in tables:
-            tables[_mask_key(a, c)] = sdpa.fold_mask(additive(mask, c.k.dtype), _groups(a))
+            tables[_mask_key(a, c)] = sdpa.fold_mask(additive(mask, c.kv.dtype), _groups(a))
         if _slots_key(c) not in tables:
-            tables[_slots_key(c)] = c.flat_index(rows, lengths[:, None] + nodes)
+            tables[_slots_key(c)] = c.flat_index(rows, lengths[:, None] + nodes).unbind(2)
     return tables
 
 
 def _mask_key(a, cache: AttentionLayerCache):
-    return ("mask", cache.k.dtype, _groups(a))
+    return ("mask", cache.kv.dtype, _groups(a))
 
 
 def _slots_key(cache: AttentionLayerCache):
@@ -217,5 +217,5 @@ def prefill(a, h, cache: AttentionLayerCache, start: int):
     q, k, v = a.project_qkv(h)
     pos = start + torch.arange(l, device=h.device).expand(b, l)
     q, k = a.apply_rotary(q, k, pos)
-    _write(cache, cache.flat_index(torch.arange(b, device=h.device)[:, None], pos), k, v)
+    _write(cache, cache.flat_index(torch.arange(b, device=h.device)[:, None], pos).unbind(2), k, v)
     return a.o_proj(_attend(a, q, cache, start + l, start=start))
