@@ -6,7 +6,8 @@ levels) and one verify (target ``tree_forward`` + verifier)) this reports:
 * **ops per layer**, by layer type (``Mamba2``, ``Mamba2GQA``, ``MHA``, ``LlamaAttention``): the aten
   ops dispatched from Python inside that layer's mixer (``ops``: top-level aten calls, i.e. what the
   library issues; ``compute``: those of them that are not views, or are views that had to copy
-  (a ``reshape`` of non-viewable strides clones), i.e. what launches a kernel on a GPU; ``dispatches``: every aten event including the ones aten ops call internally).
+  (a ``reshape`` of non-viewable strides clones), i.e. what launches a kernel on a GPU;
+  ``dispatches``: every aten event including the ones aten ops call internally).
   Per-layer scopes come from wrapping stree's per-layer entry points in ``record_function`` here
   (nothing in the library is instrumented); ``rest`` is everything outside the mixers (embedding,
   norms, MLPs, LM head, per-tree tables, validation), per call. On CUDA ``kernels`` counts the

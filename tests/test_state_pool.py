@@ -60,7 +60,9 @@ def _check_rows_equal(cache, pool, slots, ref, when):
     for key, t in want.items():
         for r, s in enumerate(slots):
             n = ref.seqlens[r]  # K/V (kv: ..., position, head_dim): the committed positions only
-            a, b = (got[key][s], t[r]) if key[1].endswith("state") else (got[key][s][..., :n, :], t[r][..., :n, :])
+            a, b = got[key][s], t[r]
+            if not key[1].endswith("state"):
+                a, b = a[..., :n, :], b[..., :n, :]
             assert torch.equal(a, b), f"{when}: {key} row {r} (slot {s})"
 
 

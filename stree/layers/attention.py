@@ -35,7 +35,8 @@ class _MHAView:
 
     def project_qkv(self, h):
         hkv = self.num_key_value_heads
-        return self.m.in_proj(h).unflatten(-1, (-1, self.head_dim)).split((self.num_heads, hkv, hkv), dim=2)
+        heads = self.m.in_proj(h).unflatten(-1, (-1, self.head_dim))  # q's, then k's, then v's
+        return heads.split((self.num_heads, hkv, hkv), dim=2)
 
     def apply_rotary(self, q, k, positions):
         dim = self.m.rotary_emb_dim
