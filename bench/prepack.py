@@ -7,8 +7,13 @@
    variants run interleaved (plain AR, plain chain, plain tree, packed AR, ...), so the variants
    share the machine's slow and fast moments. Speed-ups are against the same variant's AR row and
    against plain AR.
+3. The crossover (``stree.layers.linear.pack_min_work``): each model's own one-token decoding
+   step (its weights streamed from memory, as in decoding, unlike the per-call loop of 1.) with
+   one-row calls packed from each candidate crossover, per torch thread count, the candidates
+   interleaved in every round (median over rounds of the mean of 64 steps).
 
     python bench/prepack.py --models models/stree-tiny --limit 5 --max-new-tokens 128
+    python bench/prepack.py --crossover-only
 
 Rows go to ``bench/results/prepack_{device}_{date}.{csv,json}`` (device, commit, date in each).
 """
@@ -101,12 +106,58 @@ def e2e_rows(args) -> list[dict]:
     return rows
 
 
+def crossover_rows(args, models) -> list[dict]:
+    import statistics
+
+    from stree.layers import linear
+    from stree.native import session_factory
+
+    for m in models:
+        linear.prepack_linears(m)
+    prompt = torch.randint(0, models[0].lm_head.weight.shape[0], (1, 100),
+                           generator=torch.Generator().manual_seed(0))
+    saved = (linear.PACK_MIN_WORK, linear.PACK_MIN_WORK_THREADED, torch.get_num_threads())
+
+    def step_ms(model, steps: int = 64) -> float:
+        session = session_factory(model)(model, 1, prompt.shape[1], prompt.shape[1] + steps + 8)
+        session.prefill(prompt)
+        token = torch.tensor([5])
+        for _ in range(4):
+            session.step(token)
+        t = time.perf_counter()
+        for _ in range(steps):
+            session.step(token)
+        return (time.perf_counter() - t) / steps * 1e3
+
+    rows = []
+    try:
+        with torch.inference_mode():
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                times = {}
+                for _ in range(args.rounds):
+                    for crossover in (1 << 19, 1 << 18, 1 << 17, 1 << 16, 0):
+                        linear.PACK_MIN_WORK = linear.PACK_MIN_WORK_THREADED = crossover
+                        for name, m in zip(("target", "draft"), models):
+                            times.setdefault((name, crossover), []).append(step_ms(m))
+                for (name, crossover), ms in times.items():
+                    rows.append(dict(kind="crossover", model=name, threads=threads,
+                                     crossover=crossover, step_ms=statistics.median(ms),
+                                     step_ms_all=ms))
+    finally:
+        linear.PACK_MIN_WORK, linear.PACK_MIN_WORK_THREADED = saved[:2]
+        torch.set_num_threads(saved[2])
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=str(Path(__file__).resolve().parents[1] / "models" / "stree-tiny"))
     ap.add_argument("--prompts", default="humaneval")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the crossover part")
+    ap.add_argument("--crossover-only", action="store_true", help="only part 3 (the crossover)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     from stree.layers.linear import prepack_available
@@ -119,9 +170,13 @@ def main(argv=None) -> int:
 
     models = [load_model(os.path.join(args.models, d), torch.device("cpu"), torch.float32, prepack=False)
               for d in ("target", "draft")]
-    rows = [dict(meta, **r) for r in linear_rows(models) + e2e_rows(args)]
+    parts = [] if args.crossover_only else linear_rows(models) + e2e_rows(args)
+    rows = [dict(meta, **r) for r in parts + crossover_rows(args, models)]
     for r in rows:
-        if r["kind"] == "linear":
+        if r["kind"] == "crossover":
+            print(f"crossover {r['crossover']:>7} threads {r['threads']} {r['model']:>6} own step "
+                  f"{r['step_ms']:.2f} ms (rounds: {', '.join(f'{x:.2f}' for x in r['step_ms_all'])})")
+        elif r["kind"] == "linear":
             print(f"linear {r['shape']:>10} rows {r['rows']:>2}: F.linear {r['f_linear_us']:7.1f} us, "
                   f"packed {r['packed_us']:7.1f} us")
         else:

@@ -4,7 +4,8 @@
   MambaInLlama layout with a byte-level BPE tokenizer trained on a few lines, over 2 prompts from a
   JSONL file: every method at T = 0 and 1, T = 0 outputs identical, result files tagged.
 * ``bench/model_verify.py --tiny --device cpu``: both model sections, checked outputs, result files.
-* ``bench/prepack.py`` on the same tiny pair: per-shape linear timings and both variants end to end.
+* ``bench/prepack.py`` on the same tiny pair: per-shape linear timings, both variants end to end
+  and the crossover's decoding steps.
 """
 import csv
 import importlib
@@ -99,8 +100,10 @@ def test_prepack_smoke(tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "results"
     assert prepack.main(["--models", str(models), "--prompts", str(prompts), "--limit", "2",
-                         "--max-new-tokens", "8", "--out", str(out)]) == 0
+                         "--max-new-tokens", "8", "--rounds", "1", "--out", str(out)]) == 0
     rows = read_rows(out, "prepack_*.json")
+    crossover = [(r["model"], r["threads"], r["crossover"]) for r in rows if r["kind"] == "crossover"]
+    assert len(crossover) == 20 and all(r["step_ms"] > 0 for r in rows if r["kind"] == "crossover")
     linear = [r for r in rows if r["kind"] == "linear"]
     assert linear and all(r["f_linear_us"] > 0 and r["packed_us"] > 0 for r in linear)
     e2e_rows = [(r["variant"], r["method"]) for r in rows if r["kind"] == "e2e"]
