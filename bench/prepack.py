@@ -7,7 +7,7 @@
    variants run interleaved (plain AR, plain chain, plain tree, packed AR, ...), so the variants
    share the machine's slow and fast moments. Speed-ups are against the same variant's AR row and
    against plain AR.
-3. The crossover (``stree.layers.linear.pack_min_work``): each model's own one-token decoding
+3. The crossover (``stree.layers.linear.PACK_MIN_WORK``): each model's own one-token decoding
    step (its weights streamed from memory, as in decoding, unlike the per-call loop of 1.) with
    one-row calls packed from each candidate crossover, per torch thread count, the candidates
    interleaved in every round (median over rounds of the mean of 64 steps).
@@ -116,7 +116,7 @@ def crossover_rows(args, models) -> list[dict]:
         linear.prepack_linears(m)
     prompt = torch.randint(0, models[0].lm_head.weight.shape[0], (1, 100),
                            generator=torch.Generator().manual_seed(0))
-    saved = (linear.PACK_MIN_WORK, linear.PACK_MIN_WORK_THREADED, torch.get_num_threads())
+    saved = (linear.PACK_MIN_WORK, torch.get_num_threads())
 
     def step_ms(model, steps: int = 64) -> float:
         session = session_factory(model)(model, 1, prompt.shape[1], prompt.shape[1] + steps + 8)
@@ -137,7 +137,7 @@ def crossover_rows(args, models) -> list[dict]:
                 times = {}
                 for _ in range(args.rounds):
                     for crossover in (1 << 19, 1 << 18, 1 << 17, 1 << 16, 0):
-                        linear.PACK_MIN_WORK = linear.PACK_MIN_WORK_THREADED = crossover
+                        linear.PACK_MIN_WORK = crossover
                         for name, m in zip(("target", "draft"), models):
                             times.setdefault((name, crossover), []).append(step_ms(m))
                 for (name, crossover), ms in times.items():
@@ -145,8 +145,8 @@ def crossover_rows(args, models) -> list[dict]:
                                      crossover=crossover, step_ms=statistics.median(ms),
                                      step_ms_all=ms))
     finally:
-        linear.PACK_MIN_WORK, linear.PACK_MIN_WORK_THREADED = saved[:2]
-        torch.set_num_threads(saved[2])
+        linear.PACK_MIN_WORK = saved[0]
+        torch.set_num_threads(saved[1])
     return rows
 
 

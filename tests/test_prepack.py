@@ -18,7 +18,6 @@ pytestmark = pytest.mark.skipif(not packed.prepack_available(), reason="no oneDN
 def always_pack(monkeypatch):
     """Every call takes the packed kernel (the tests' layers are below the work threshold)."""
     monkeypatch.setattr(packed, "PACK_MIN_WORK", 0)
-    monkeypatch.setattr(packed, "PACK_MIN_WORK_THREADED", 0)
 
 
 def _linear(bias=True, out_f=48, in_f=40, seed=0):
@@ -49,20 +48,15 @@ def test_small_work_stays_on_f_linear():
     assert torch.equal(y, F.linear(torch.ones(1, 40), lin.weight, lin.bias))
 
 
-@pytest.mark.parametrize("threads, packs", [(1, False), (2, True)])
-def test_one_row_on_a_large_weight_packs_only_with_threads(threads, packs):
-    """A one-row call on a (1024, 384) weight (0.39M elements: between the two crossovers) takes
-    the packed kernel with 2 torch threads, which it spreads the row over, and F.linear with 1."""
-    lin = _linear(out_f=1024, in_f=384)
+@pytest.mark.parametrize("out_f, packs", [(1024, True), (384, False)])
+def test_one_row_packs_from_the_crossover(out_f, packs):
+    """One row on a (1024, 384) weight (0.39M elements, past PACK_MIN_WORK) takes the packed
+    kernel; on a (384, 384) one (0.15M) F.linear."""
+    lin = _linear(out_f=out_f, in_f=384)
     stree.prepack_linears(lin)
     x = torch.randn(1, 384)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            y = lin(x)
-    finally:
-        torch.set_num_threads(before)
+    with torch.no_grad():
+        y = lin(x)
     assert (lin._stree_packed.tensor is not None) == packs
     torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 

@@ -10,16 +10,19 @@ what inductor's CPU freezing uses) costs 27, 28 and 37-65 us for the same calls,
 ``F.linear`` even for one row once the weight is large (the (4096, 384) LM head: 77 against
 147 us); for small weights and one row its fixed ~15 us call overhead loses
 (``bench/prepack.py``). :func:`prepack_linears` therefore gives every fp32 ``nn.Linear`` of a
-model on the CPU a forward that takes the packed path when ``rows * weight.numel()`` reaches the
-crossover measured on that CPU (:func:`pack_min_work`) and plain ``F.linear`` otherwise.
+model on the CPU a forward that takes the packed path when ``rows * weight.numel() >=
+PACK_MIN_WORK`` and plain ``F.linear`` otherwise.
 
-The crossover depends on torch's thread count: oneDNN spreads even one row over the threads,
-while ``F.linear``'s one-row GEMV runs on one (a (1024, 384) row: 37 us with 1 or 2 threads,
-packed 41 / 32 us). With 2 threads and the shipped target's weights streamed from memory, as they
-are in a decoding step, the target's own step took 8.7-9.2 ms with the one-thread crossover
-(``2**19``: one-row calls on its 0.15-0.39M-element projections stay on ``F.linear``) and
-6.9-7.4 ms with ``2**18`` or ``2**17``; ``2**16`` slowed the draft's step by a quarter (its
-projections are smaller, and stay in cache). With 1 thread packing one-row calls gained nothing.
+The crossover is measured where it matters, in each model's own one-token decoding step
+(``bench/prepack.py --crossover-only``), not by calls in a loop: in a step every weight is read
+from memory once, where a loop keeps it in cache (in a loop a (1024, 384) row costs 37 us
+through ``F.linear`` and 32-41 us packed, 1-2 threads). With the one-row calls on the shipped
+target's 0.39M-element projections (MLP, Mamba2 input and output) packed (``2**18``; ``2**19``
+left them on ``F.linear``) its own step took 7.7-8.2 ms against 9.3-9.7 with 2 threads (oneDNN
+spreads even one row over the threads, ``F.linear``'s one-row GEMV runs on one) and 8.6-8.7
+against 8.9-9.1 with 1. Lower crossovers also pack the draft's 0.04-0.1M-element weights, which
+stay in cache and where oneDNN's fixed call overhead loses: its own step ran 25-55% slower
+from ``2**16`` down.
 
 It is a property of the model, not of stree's decoding: a model's own ``forward``/``step`` (the
 autoregressive baseline) runs the same modules and gets the same kernels. The checkpoint, the
@@ -36,10 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# rows x weight elements from which the packed kernel is the faster one (see the module
-# docstring): with one torch thread, and with more
-PACK_MIN_WORK = 1 << 19
-PACK_MIN_WORK_THREADED = 1 << 18
+# rows x weight elements from which the packed kernel is the faster one (see the module docstring)
+PACK_MIN_WORK = 1 << 18
 _NO_BIAS = object()
 
 
@@ -100,19 +101,13 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _packed(self, x, self.bias)
 
 
-def pack_min_work() -> int:
-    """Rows x weight elements from which a call takes the packed kernel, at torch's current
-    thread count."""
-    return PACK_MIN_WORK if torch.get_num_threads() == 1 else PACK_MIN_WORK_THREADED
-
-
 def _packed(module: nn.Linear, x: torch.Tensor, bias) -> torch.Tensor:
     w = module.weight
     if (torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu"
             or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
         return F.linear(x, w, bias)
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows * w.numel() < pack_min_work():
+    if rows * w.numel() < PACK_MIN_WORK:
         return F.linear(x, w, bias)
     # inference tensors keep no version counter: their storage is the key
     key = (w.data_ptr(), w.dtype, 0 if w.is_inference() else w._version)
