@@ -20,9 +20,9 @@ through ``F.linear`` and 32-41 us packed, 1-2 threads). With the one-row calls o
 target's 0.39M-element projections (MLP, Mamba2 input and output) packed (``2**18``; ``2**19``
 left them on ``F.linear``) its own step took 8.2 ms against 9.7 with 2 threads (median of 9
 rounds; oneDNN spreads even one row over the threads, ``F.linear``'s one-row GEMV runs on one)
-and 8.6 against 9.1 with 1. Lower crossovers also pack the draft's 0.04-0.1M-element weights, which
-stay in cache and where oneDNN's fixed call overhead loses: its own step ran 25-55% slower
-from ``2**16`` down.
+and 8.6 against 9.1 with 1. Lower crossovers also pack the draft's 0.04-0.1M-element weights,
+which stay in cache and where oneDNN's fixed call overhead loses: its own step ran 25-55%
+slower from ``2**16`` down.
 
 It is a property of the model, not of stree's decoding: a model's own ``forward``/``step`` (the
 autoregressive baseline) runs the same modules and gets the same kernels. The checkpoint, the
