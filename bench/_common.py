@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import gzip
 import json
 import platform
 import statistics
@@ -75,7 +76,8 @@ def write_rows(rows: list[dict], stem, json_too: bool = True) -> list[Path]:
 
     The CSV has the union of the rows' keys as columns (first-seen order); dict and list values
     are stored there as JSON text, in the JSON file as themselves. Long row sets (one per prompt)
-    go to the CSV only: the JSON would repeat every key and the metadata on every row.
+    go to a gzipped CSV only, ``{stem}.csv.gz``: they repeat the metadata on every row, which
+    compresses about 20x.
     """
     if not rows:
         raise ValueError("no rows to write")
@@ -85,8 +87,10 @@ def write_rows(rows: list[dict], stem, json_too: bool = True) -> list[Path]:
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     fields = list(dict.fromkeys(k for r in rows for k in r))
-    csv_path, json_path = stem.with_name(stem.name + ".csv"), stem.with_name(stem.name + ".json")
-    with open(csv_path, "w", newline="", encoding="utf-8") as f:
+    csv_path = stem.with_name(stem.name + (".csv" if json_too else ".csv.gz"))
+    json_path = stem.with_name(stem.name + ".json")
+    opener = open if json_too else gzip.open
+    with opener(csv_path, "wt", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in r.items()}

@@ -28,8 +28,9 @@ Per (method, temperature) it aggregates, over prompts: new tokens, target and dr
 accepted-length histogram, tokens/s (all new tokens / all wall time, prefill included), the draft /
 verify / replay time split and the speed-up over ``ar`` at the same temperature. It prints a markdown
 table and writes, under ``--out``: ``e2e_*.csv/.json`` (one row per method x temperature),
-``e2e_*_per_prompt.csv`` (one row per prompt, method and temperature) and ``e2e_*.png`` (tau and
-tokens/s bars, acceptance histograms; needs matplotlib), every row tagged with device, commit and date.
+``e2e_*_per_prompt.csv.gz`` (one row per prompt, method and temperature) and ``e2e_*.png`` (tau
+and tokens/s bars, acceptance histograms; needs matplotlib; not committed, ``bench/replot.py``
+redraws it from the JSON), every row tagged with device, commit and date.
 
     python bench/e2e.py --models models/stree-tiny --prompts humaneval --limit 20 --max-new-tokens 128 \\
         --temperatures 0 1 --methods ar chain:4 tree:static:fig4a tree:beam:4x3

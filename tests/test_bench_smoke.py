@@ -8,6 +8,7 @@
   and the crossover's decoding steps.
 """
 import csv
+import gzip
 import importlib
 import importlib.util
 import json
@@ -24,6 +25,7 @@ pytest.importorskip("tokenizers")
 e2e = importlib.import_module("e2e")
 model_verify = importlib.import_module("model_verify")
 prepack = importlib.import_module("prepack")
+replot = importlib.import_module("replot")
 
 from models import data  # noqa: E402
 from stree.hybrid import MambaInLlamaConfig, MambaInLlamaForCausalLM  # noqa: E402
@@ -57,8 +59,8 @@ def write_model_dir(root: Path) -> Path:
 
 def read_rows(out: Path, pattern: str) -> list[dict]:
     (path,) = out.glob(pattern)
-    if path.suffix == ".csv":  # written without a JSON twin
-        with open(path, newline="") as f:
+    if path.name.endswith(".csv.gz"):  # written without a JSON twin
+        with gzip.open(path, "rt", newline="") as f:
             rows = list(csv.DictReader(f))
     else:
         rows = json.loads(path.read_text())
@@ -85,12 +87,14 @@ def test_e2e_smoke(tmp_path, monkeypatch):
     assert all(r["t0_identical"] for r in summary if r["temperature"] == 0)
     assert all(r["prompts"] == 2 and r["steps"] > 0 and r["tau"] >= 1 for r in summary)
     assert all(r["tau"] == 1 for r in summary if r["method"] == "ar")
-    assert {r["verifier"] for r in read_rows(out, "e2e_*_per_prompt.csv")
+    assert {r["verifier"] for r in read_rows(out, "e2e_*_per_prompt.csv.gz")
             if r["method"] == "chain:4@asps"} == {"asps"}
-    per_prompt = read_rows(out, "e2e_*_per_prompt.csv")
+    per_prompt = read_rows(out, "e2e_*_per_prompt.csv.gz")
     assert len(per_prompt) == 2 * len(methods) * 2
     if importlib.util.find_spec("matplotlib") is not None:
-        assert len(list(out.glob("e2e_*.png"))) == 1
+        (png,) = out.glob("e2e_*.png")
+        png.unlink()  # replot.py draws it again from the saved rows
+        assert replot.main([str(next(out.glob("e2e_*[0-9].json")))]) == 0 and png.exists()
 
 
 @pytest.mark.skipif(not prepack_available(), reason="no oneDNN packed linear in this torch build")
