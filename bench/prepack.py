@@ -66,7 +66,7 @@ def linear_rows(models) -> list[dict]:
 
 def e2e_rows(args) -> list[dict]:
     from stree.cli import default_eos, encode_prompt, load_model, load_tokenizer, model_config
-    from stree.generate import generate
+    from stree.generation import generate
     from stree.prompts import load_prompts
 
     target_dir, draft_dir = (os.path.join(args.models, d) for d in ("target", "draft"))

@@ -11,7 +11,7 @@
     stree.prepack_linears(model)                     # CPU fp32: faster small-batch linears
 """
 from stree.cache import StatePool, TreeCache
-from stree.generate import GenerationOutput, generate
+from stree.generation import GenerationOutput, default_drafter, generate
 from stree.layers.linear import prepack_linears
 from stree.patch import patch
 from stree.sampling import SamplingConfig
@@ -19,5 +19,5 @@ from stree.stats import GenerationStats
 from stree.tree import TokenTree, parents_from_widths
 
 __all__ = ["patch", "generate", "GenerationOutput", "GenerationStats", "TokenTree", "TreeCache",
-           "StatePool", "SamplingConfig", "parents_from_widths", "prepack_linears"]
+           "StatePool", "SamplingConfig", "parents_from_widths", "prepack_linears", "default_drafter"]
 __version__ = "0.1.0"

@@ -121,7 +121,7 @@ def describe_error(err: BaseException) -> str:
 
 
 def run_generate(args) -> int:
-    from stree.generate import generate, resolve
+    from stree.generation import generate, resolve
     from stree.sampling import SamplingConfig
 
     no_draft = args.method in ("ar", "ar-tree")

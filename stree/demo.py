@@ -12,7 +12,7 @@ whose continuation is repetitive, the second branch of a small tree is never tak
 tau equals the chain's; on the next problems it is 5-25% higher), so one prompt would show the
 prompt more than the method.
 
-The tree is chosen for the device (``stree.generate.default_drafter``, also the library's and the
+The tree is chosen for the device (``stree.default_drafter``, also the library's and the
 CLI's default), as STree's cost analysis (Eq. 7/8: time per token = t(N) / tau)
 says: on a GPU a verify pass costs about the same for 1 or 63 nodes, so the bushier Fig. 4a tree
 (13 nodes) pays; on a 2-core CPU every node the draft runs costs a draft step, and a draft level of
@@ -42,7 +42,7 @@ FALLBACK_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonac
 
 def methods(device: torch.device) -> list[tuple[str, str, str | None]]:
     """(label, generate method, drafter) of the three rows, the tree chosen for the device."""
-    from stree.generate import default_drafter
+    from stree.generation import default_drafter
 
     tree = default_drafter("tree", device)
     return [("autoregressive (model's own)", "ar", None), ("chain SD (K=4)", "chain", "chain:4"),
@@ -79,7 +79,7 @@ def default_prompts(n: int) -> list[str]:
 
 def run(args) -> int:
     from stree.cli import default_eos, encode_prompt, load_role, load_tokenizer, model_config
-    from stree.generate import generate
+    from stree.generation import generate
 
     target_dir, draft_dir = (os.path.join(args.models, d) for d in ("target", "draft"))
     for d in (target_dir, draft_dir):

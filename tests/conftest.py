@@ -8,6 +8,7 @@
   ``rms_norm_ref``) so that model-level tests finish in seconds rather than minutes.
 """
 import contextlib
+import importlib.util
 import os
 
 import torch
@@ -19,6 +20,10 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 import pytest  # noqa: E402
+
+# tests/vllm need vLLM, which lives in an environment of its own (scripts/venv-vllm): elsewhere
+# they are not collected at all rather than reported as skipped
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 _cuda_device = torch.cuda.device
 

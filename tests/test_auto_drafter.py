@@ -14,7 +14,7 @@ from stree.costmodel import ForwardCost, forward_cost
 from stree.draft import parse_drafter
 from stree.draft.auto import (CPU_CANDIDATES, DEFAULT_CANDIDATES, AcceptanceProfile, AutoDrafter,
                               AutoMemory, Ratio, best_tree, expected_tau, forget, level_widths)
-from stree.generate import default_drafter, generate, resolve
+from stree.generation import default_drafter, generate, resolve
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from tests.fakes import FakeLM, greedy_reference, target_probs_of_prefix

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from stree.draft import DySpecDrafter
 from stree.draft.calibration import AcceptanceCalibration, node_verdicts
 from stree.draft.dynamic import Slots
-from stree.generate import generate
+from stree.generation import generate
 from tests.fakes import FakeLM, target_probs_of_prefix
 
 

@@ -301,7 +301,7 @@ def test_no_progress_bar_between_lines_on_a_terminal(stdout_tty):
 
 
 def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
-    generation = sys.modules["stree.generate"]  # the module (stree.generate is the function)
+    generation = sys.modules["stree.generation"]  # the module (stree.generate is the function)
     target = FakeLM(vocab_size=23)
     _word_tokenizer(tmp_path, 23)
     monkeypatch.setattr(cli, "load_model", lambda d, *_: target)

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from stree.draft import DynaTree2Drafter, DySpecDrafter, parse_drafter
 from stree.draft.dynamic import Slots
-from stree.generate import generate, resolve
+from stree.generation import generate, resolve
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from tests.fakes import FakeLM, greedy_reference, target_probs_of_prefix

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from stree.draft import parse_drafter
-from stree.generate import default_drafter, generate, resolve
+from stree.generation import default_drafter, generate, resolve
 from stree.sampling import SamplingConfig
 from stree.verify import MSSVerifier
 from tests.fakes import FakeCache, FakeLM, greedy_reference, target_probs_of_prefix

@@ -6,7 +6,7 @@ import torch
 
 import stree
 from stree import native
-from stree.generate import generate
+from stree.generation import generate
 from tests.test_generate_models import PROMPTS, mamba_pair, mamba_reference, new_tokens  # noqa: F401
 from tests.test_model_hybrid import make_hybrid
 from tests.test_model_mamba2 import make_model

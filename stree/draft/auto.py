@@ -93,7 +93,7 @@ def default_candidates(device=None) -> tuple[str, ...]:
     """The candidates ``"auto"`` picks among on ``device``: on CUDA, where a level or a verify of
     many nodes costs about one, chains, static presets, caterpillars and DySpec budgets
     (:data:`DEFAULT_CANDIDATES`); elsewhere chains and caterpillars (:data:`CPU_CANDIDATES`).
-    Each starts with the device's default tree (``stree.generate.default_drafter``), where auto
+    Each starts with the device's default tree (``stree.default_drafter``), where auto
     starts."""
     return DEFAULT_CANDIDATES if torch.device(device or "cpu").type == "cuda" else CPU_CANDIDATES
 

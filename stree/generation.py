@@ -1,4 +1,4 @@
-"""``stree.generate``: STree's Algorithm 1 and its baselines as one loop of small steps.
+"""``stree.generate`` (this module, ``stree.generation``): STree's Algorithm 1 as small steps.
 
     prefill target and draft on the prompts; first token from the target's prefill logits
     repeat:  draft a tree rooted at the last emitted token (seen by neither model yet)  [draft]

@@ -1,0 +1,46 @@
+"""Run one vLLM engine in a child process and print its outputs as JSON (tests call :func:`run`).
+
+vLLM starts worker processes of its own, so an engine is built under ``__main__`` of a fresh
+interpreter rather than inside pytest's process. The child gets a clean environment: the test
+suite's ``TRITON_INTERPRET=1`` is not for vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+# Small enough for a 2-core, 24 GB machine running other work: vLLM's CPU backend otherwise
+# reserves 92% of memory at start-up.
+ENGINE_DEFAULTS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4, seed=0,
+                       gpu_memory_utilization=0.2, kv_cache_memory_bytes=256 << 20)
+
+MARK = "STREE-RESULT "  # vLLM logs to stdout too
+
+
+def run(spec: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the engine ``spec`` describes: ``{"engine": {...LLM kwargs}, "prompts": [[ids]],
+    "sampling": {...SamplingParams kwargs}}``; the result is the stdout line after :data:`MARK`."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def result(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    return json.loads(lines[-1][len(MARK):])
+
+
+def _main(spec: dict) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**{**ENGINE_DEFAULTS, **spec["engine"]})
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
+                        SamplingParams(**spec["sampling"]), use_tqdm=False)
+    print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+
+
+if __name__ == "__main__":
+    _main(json.loads(sys.argv[1]))

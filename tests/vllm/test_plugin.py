@@ -1,0 +1,120 @@
+"""stree's vLLM plugin without an engine: the version gate, the entry point, routing of MambaInLlama
+checkpoints to stree's model class, and the load-time weight expansion (against stree's own mixer)."""
+import importlib.metadata
+import json
+import shutil
+
+import pytest
+import torch
+
+import vllm
+import vllm.config.model as model_config
+
+from stree.hybrid.mamba import Mamba2GQA
+from stree.vllm import SUPPORTED_VLLM
+from stree.vllm import plugin
+from stree.vllm.mambainllama import expand_mamba_weight
+
+from tests.vllm import engine
+
+TARGET, DRAFT = "models/stree-tiny/target", "models/stree-tiny/draft"
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu"])
+def test_supported_version_passes(version):
+    plugin.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.33.0", "0.32.1", "0.3.2"])
+def test_other_versions_refused_naming_the_supported_one(version):
+    with pytest.raises(plugin.UnsupportedVLLMVersion, match=f"supports vLLM {SUPPORTED_VLLM} only "
+                                                          rf"\(found vLLM {version}\)"):
+        plugin.check_version(version)
+
+
+def test_installed_vllm_is_the_pinned_one():
+    assert vllm.__version__.split("+")[0] == SUPPORTED_VLLM
+
+
+def test_entry_point_registered():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert [ep.value for ep in eps if ep.name == "stree"] == ["stree.vllm.plugin:register"]
+
+
+def _config(directory):
+    plugin.register()
+    plugin.register()  # vLLM may load plugins twice in one process: nothing doubles
+    return model_config.get_config(directory, False)
+
+
+def test_mambainllama_checkpoints_routed_to_stree():
+    target = _config(TARGET)
+    assert target.architectures == [plugin.HYBRID_ARCH]
+    assert target.stree_mamba["attn_layers"] == [1, 3, 5, 7]
+    assert target.layers_block_type == ["mamba", "attention"] * 4
+    assert _config(DRAFT).architectures == [plugin.MAMBA_ONLY_ARCH]
+    assert model_config.get_config.__wrapped__.__name__ == "get_config"  # wrapped once, not twice
+    assert not hasattr(model_config.get_config.__wrapped__, "__wrapped__")
+
+
+def test_plain_llama_untouched(tmp_path):
+    shutil.copy(f"{TARGET}/config.json", tmp_path / "config.json")  # no mamba_config.json
+    config = _config(str(tmp_path))
+    assert config.architectures == ["LlamaForCausalLM"] and not hasattr(config, "stree_mamba")
+
+
+def test_mamba1_checkpoint_refused_at_config_time(tmp_path):
+    shutil.copy(f"{TARGET}/config.json", tmp_path / "config.json")
+    mamba = json.load(open(f"{TARGET}/mamba_config.json"))
+    mamba["ssm_cfg"]["layer"] = "Mamba1"
+    json.dump(mamba, open(tmp_path / "mamba_config.json", "w"))
+    with pytest.raises(ValueError, match="Mamba-1"):
+        _config(str(tmp_path))
+
+
+@pytest.mark.parametrize("d_xb", [32, 64, 128])
+def test_expanded_weights_are_stree_mixer_exactly(d_xb):
+    """The loaded vLLM mixer is a stock Mamba2 (x/B not repeated): stree's own mixer with
+    ``d_xb = d_inner`` holding the expanded weights gives the GQA-shaped mixer's output."""
+    torch.manual_seed(0)
+    d_model, d_inner, d_state = 48, 128, 32
+    gqa = Mamba2GQA(d_model, d_inner, d_xb, d_state)
+    stock = Mamba2GQA(d_model, d_inner, d_inner, d_state)
+    with torch.no_grad():
+        for p in gqa.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    sizes = {"d_inner": d_inner, "d_xb": d_xb, "d_state": d_state, "nheads": d_inner // d_state}
+    prefix = "model.layers.0.mamba."
+    expanded = dict(expand_mamba_weight(prefix + k, v, sizes) for k, v in gqa.state_dict().items())
+    local = {k[len(prefix):]: v for k, v in expanded.items()}
+    local["A_log"] = local.pop("A")  # vLLM's A holds -exp(A_log) (its loader applies it)
+    stock.load_state_dict(local)
+    x = torch.randn(2, 9, d_model)
+    torch.testing.assert_close(stock(x), gqa(x), rtol=1e-5, atol=1e-5)
+
+
+def _refused_at_start(code: str) -> str:
+    """Run ``code`` (which builds an LLM) in a child; it must fail before any engine process starts."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "EngineCore" not in proc.stderr + proc.stdout  # nothing half-started
+    return proc.stderr
+
+
+def test_other_vllm_version_refused_at_start_up():
+    err = _refused_at_start("import vllm; vllm.__version__ = '0.31.0'\n"
+                            f"from vllm import LLM; LLM(model={TARGET!r}, **{engine.ENGINE_DEFAULTS!r})")
+    assert f"stree's vLLM plugin supports vLLM {SUPPORTED_VLLM} only (found vLLM 0.31.0)" in err
+
+
+def test_mamba1_refused_at_start_up(tmp_path):
+    shutil.copy(f"{TARGET}/config.json", tmp_path / "config.json")
+    mamba = json.load(open(f"{TARGET}/mamba_config.json"))
+    mamba["ssm_cfg"]["layer"] = "Mamba1"
+    json.dump(mamba, open(tmp_path / "mamba_config.json", "w"))
+    err = _refused_at_start(f"from vllm import LLM; LLM(model={str(tmp_path)!r}, **{engine.ENGINE_DEFAULTS!r})")
+    assert "Mamba-1 layers are not" in err
