@@ -52,6 +52,23 @@ def register() -> None:
     # vLLM's per-architecture config hook for attention-free Mamba models (state block sizes);
     # hybrids get theirs from vLLM's is_hybrid rule
     MODELS_CONFIG_MAP.setdefault(MAMBA_ONLY_ARCH, MambaModelConfig)
+    # vLLM's own Mamba speculation made exact (see each module for the bug it fixes)
+    from stree.vllm.accepted_counts import patch_accepted_counts
+    from vllm.platforms import current_platform
+
+    patch_accepted_counts()
+    # method "stree": the engine arguments' translation and the runner's request-id hook
+    from stree.vllm.proposer import patch_runner
+    from stree.vllm.speculative import patch_engine_args
+
+    patch_engine_args()
+    patch_runner()
+
+    if current_platform.is_cpu():
+        from stree.vllm.cpu_spec import patch_cpu_prefix_caching, patch_cpu_spec_ops
+
+        patch_cpu_spec_ops()
+        patch_cpu_prefix_caching()
     model_config.get_config = _route(model_config.get_config)
     _registered = True
 
@@ -75,6 +92,9 @@ def _route(get_config):
             from stree.hybrid.config import MambaInLlamaConfig
 
             mil = MambaInLlamaConfig.from_pretrained(directory)
+            if mil.dt_limit != (0.0, float("inf")):
+                raise ValueError(f"{directory}: ssm_cfg.dt_limit={list(mil.dt_limit)} is not supported in vLLM "
+                                 "(vLLM's Mamba2 mixer does not clamp dt)")
             config.stree_mamba = {"d_inner": mil.d_inner, "d_xb": mil.d_xb, "d_state": mil.d_state,
                                   "d_conv": mil.d_conv, "attn_layers": list(mil.attn_layers)}
             # what vLLM reads to count a hybrid's attention layers and size its scan chunks

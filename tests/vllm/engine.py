@@ -14,7 +14,7 @@ import sys
 # Small enough for a 2-core, 24 GB machine running other work: vLLM's CPU backend otherwise
 # reserves 92% of memory at start-up.
 ENGINE_DEFAULTS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4, seed=0,
-                       gpu_memory_utilization=0.2, kv_cache_memory_bytes=256 << 20)
+                       gpu_memory_utilization=0.2, kv_cache_memory_bytes=256 << 20, disable_log_stats=False)
 
 MARK = "STREE-RESULT "  # vLLM logs to stdout too
 
@@ -39,7 +39,10 @@ def _main(spec: dict) -> None:
     llm = LLM(**{**ENGINE_DEFAULTS, **spec["engine"]})
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
                         SamplingParams(**spec["sampling"]), use_tqdm=False)
-    print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")
+                and hasattr(m, "value")}
+    print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": counters}),
+          flush=True)
 
 
 if __name__ == "__main__":

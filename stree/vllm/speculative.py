@@ -1,0 +1,115 @@
+"""``speculative_config={"method": "stree", ...}``: stree's drafts inside vLLM.
+
+vLLM's ``SpeculativeConfig`` accepts only its own method names, so the plugin reads stree's
+spelling where vLLM's engine arguments turn the dict into a config (``create_speculative_config``)
+and rewrites it to vLLM's custom-proposer method, pointing at
+:class:`stree.vllm.proposer.StreeProposer`. The stree settings travel to vLLM's engine and worker
+processes (started after this point, from this process) in the ``STREE_VLLM_DRAFT`` environment
+variable. Everything is checked here, at start-up, before any engine process exists: the draft
+loads and patches (Mamba-1 layers and other unsupported layers are refused by stree), its
+vocabulary equals the target's, the tree spec parses.
+
+What runs: ``"tree": "chain:K"``. The draft proposes its own greedy (argmax) chain of K tokens
+and vLLM's rejection sampler verifies it, which is lossless at every temperature for a
+deterministic proposal (it accepts token x with probability p(x) and otherwise samples from p with
+x removed: the output is distributed as p). Exactness of the Mamba layers under speculation on
+CPU comes from :mod:`stree.vllm.cpu_spec` and :mod:`stree.vllm.accepted_counts`. Tree specs are
+refused with a clear error for now: vLLM's scheduler and rejection sampler take chains only, and
+stree's tree verification inside the engine is not wired yet.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+ENV = "STREE_VLLM_DRAFT"
+PROPOSER = "stree.vllm.proposer.StreeProposer"
+# keys of stree's dict; every other key is refused (no silent typos)
+KEYS = {"method", "model", "tree", "num_speculative_tokens"}
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """stree's speculative settings inside vLLM: the draft checkpoint directory and the tree spec."""
+
+    model: str
+    tree: str = "chain:4"
+
+    def to_env(self) -> None:
+        os.environ[ENV] = json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "DraftSpec":
+        raw = os.environ.get(ENV)
+        if raw is None:
+            raise RuntimeError(f"{PROPOSER} runs only through speculative_config={{'method': 'stree', ...}} "
+                               f"({ENV} is not set)")
+        return cls(**json.loads(raw))
+
+
+def chain_length(tree: str) -> int:
+    """K of a ``chain:K`` spec (parsed by stree's own drafter parser); ValueError otherwise."""
+    from stree.draft import ChainDrafter, parse_drafter
+
+    drafter = parse_drafter(tree)  # ValueError for an unknown spec, naming the known ones
+    if not isinstance(drafter, ChainDrafter):
+        raise ValueError(f"speculative_config['tree']={tree!r}: inside vLLM 0.32 stree drafts chains "
+                         "('chain:K') for now; tree drafts need stree's tree verification in the "
+                         "engine, which is not wired yet (use stree.generate for trees)")
+    return drafter.num_nodes - 1
+
+
+def load_draft(directory: str):
+    """The patched draft model (CPU, fp32) from a checkpoint directory stree can load."""
+    import torch
+
+    from stree.cli import load_model
+
+    return load_model(directory, torch.device("cpu"), torch.float32).eval()
+
+
+def translate(config: dict, target_vocab_size: int) -> dict:
+    """stree's speculative dict -> vLLM's custom-proposer dict (and the environment variable).
+
+    Raises ValueError (unknown key, missing draft, tree spec, vocabulary mismatch) or the
+    draft loader's error, all before any engine process starts.
+    """
+    from stree.generation import vocab_size
+
+    unknown = sorted(set(config) - KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown} for method 'stree' (known: {sorted(KEYS)})")
+    if not config.get("model"):
+        raise ValueError("speculative_config: method 'stree' needs 'model': the draft checkpoint directory")
+    spec = DraftSpec(model=str(config["model"]), tree=str(config.get("tree", DraftSpec.tree)))
+    k = chain_length(spec.tree)
+    if config.get("num_speculative_tokens") not in (None, k):
+        raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
+                         f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")
+    draft_vocab = vocab_size(load_draft(spec.model))
+    if draft_vocab != target_vocab_size:
+        raise ValueError(f"speculative_config: the draft's vocabulary ({draft_vocab} tokens, {spec.model}) "
+                         f"differs from the target's ({target_vocab_size}): draft and target must share "
+                         "one tokenizer")
+    spec.to_env()
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+
+
+def patch_engine_args() -> None:
+    """Teach ``EngineArgs.create_speculative_config`` the ``"stree"`` method (see module docstring)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_stree", False):
+        return
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        config = self.speculative_config
+        if isinstance(config, dict) and config.get("method") == "stree":
+            self.speculative_config = translate({k.replace("-", "_"): v for k, v in config.items()},
+                                                target_model_config.get_vocab_size())
+        return original(self, target_model_config, target_parallel_config)
+
+    create_speculative_config._stree = True
+    EngineArgs.create_speculative_config = create_speculative_config

@@ -1,0 +1,55 @@
+"""Speculative decoding inside vLLM on the shipped MambaInLlama target: ``method: "stree"`` with
+three drafts, and vLLM's own ``ngram`` (which the plugin makes exact on CPU), each equal token for
+token to the target's own greedy decoding (stree, plain PyTorch) over 64 tokens, four concurrent
+requests of different lengths. One engine per configuration."""
+import pytest
+
+from tests.vllm import drafts, engine
+from tests.vllm.test_engine_mambainllama import N_NEW, PROMPTS, _own_greedy
+
+TARGET, SHIPPED_DRAFT = "models/stree-tiny/target", "models/stree-tiny/draft"
+GREEDY = {"temperature": 0.0, "max_tokens": N_NEW, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _own_greedy(TARGET)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {"own": TARGET, "shipped": SHIPPED_DRAFT,
+            "perturbed": drafts.perturbed_copy(TARGET, str(root / "perturbed")),
+            "unrelated": drafts.unrelated(4096, str(root / "unrelated"))}
+
+
+def _run(speculative_config):
+    proc = engine.run({"engine": {"model": TARGET, "speculative_config": speculative_config},
+                       "prompts": PROMPTS, "sampling": GREEDY})
+    return engine.result(proc)
+
+
+def _acceptance(out) -> float:
+    spec = out["spec"]
+    assert spec["vllm:spec_decode_num_drafts"] > 0  # it did speculate
+    return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("draft, low, high", [
+    ("own", 0.9, 1.0),        # the target's own weights: everything accepted but the cut at the end
+    ("perturbed", 0.05, 0.9),
+    ("unrelated", 0.0, 0.3),  # mostly rejected
+])
+def test_stree_chain_equals_own_greedy(reference, draft_dirs, draft, low, high):
+    out = _run({"method": "stree", "model": draft_dirs[draft], "tree": "chain:4"})
+    assert out["tokens"] == reference
+    assert low <= _acceptance(out) <= high
+
+
+def test_vllm_ngram_exact_with_plugin(reference):
+    """vLLM's own ngram speculation, prefix caching left at its default: lossy on CPU without the
+    plugin's fixes (stree.vllm.cpu_spec), exact with them."""
+    out = _run({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    assert out["tokens"] == reference
+    _acceptance(out)
