@@ -118,3 +118,26 @@ def test_mamba1_refused_at_start_up(tmp_path):
     json.dump(mamba, open(tmp_path / "mamba_config.json", "w"))
     err = _refused_at_start(f"from vllm import LLM; LLM(model={str(tmp_path)!r}, **{engine.ENGINE_DEFAULTS!r})")
     assert "Mamba-1 layers are not" in err
+
+
+def _with_spec(spec: dict) -> str:
+    return f"from vllm import LLM; LLM(model={TARGET!r}, speculative_config={spec!r}, **{engine.ENGINE_DEFAULTS!r})"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "stree", "model": DRAFT, "tree": "caterpillar:x"}, "caterpillar:x"),
+    ({"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2,2"}, "drafts chains"),
+    ({"method": "stree", "model": DRAFT, "tree": "chain:4", "num_speculative_tokens": 3}, "disagrees"),
+    ({"method": "stree", "model": DRAFT, "trees": "chain:4"}, "unknown keys"),
+    ({"method": "stree"}, "needs 'model'"),
+    ({"method": "stree", "model": "/nonexistent/draft"}, "not found"),
+])
+def test_bad_stree_speculative_config_refused_at_start_up(spec, message):
+    assert message in _refused_at_start(_with_spec(spec))
+
+
+def test_draft_vocabulary_mismatch_refused_at_start_up(tmp_path):
+    from tests.vllm import drafts
+    small = drafts.unrelated(1000, str(tmp_path / "small"))
+    err = _refused_at_start(_with_spec({"method": "stree", "model": small}))
+    assert "draft's vocabulary (1000 tokens" in err and "target's (4096)" in err

@@ -1,0 +1,48 @@
+"""vLLM's own Mamba2-family classes as targets of ``method: "stree"``: tiny random checkpoints
+written with transformers' ``save_pretrained``; the draft is the same checkpoint loaded and patched
+by stree. Greedy output equals vLLM's own non-speculative output token for token, four
+concurrent requests of different lengths. (vLLM's CPU attention needs head_dim >= 32, so these
+configs are wider than the main suite's.)"""
+import pytest
+import torch
+
+import stree  # noqa: F401  (before transformers: its torch paths)
+
+from tests.vllm import engine
+
+VOCAB = 61
+PROMPTS = [[5, 17, 33, 40], [7, 8, 9], list(range(3, 40)), [30, 31]]
+GREEDY = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
+
+
+def _mamba2():
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+    return Mamba2ForCausalLM(Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2,
+        state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False))
+
+
+def _granite():
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=64, shared_intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+        mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_expand=2,
+        mamba_chunk_size=8, position_embedding_type="rope", max_position_embeddings=512,
+        embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.0,
+        pad_token_id=0))
+
+
+@pytest.mark.parametrize("build", [_mamba2, _granite], ids=["mamba2", "granitemoehybrid"])
+def test_stree_chain_equals_vllm_greedy(tmp_path, build):
+    torch.manual_seed(0)
+    build().save_pretrained(tmp_path)
+    base = {"model": str(tmp_path), "skip_tokenizer_init": True}
+    ref = engine.result(engine.run({"engine": base, "prompts": PROMPTS, "sampling": GREEDY}))
+    spec = {"method": "stree", "model": str(tmp_path), "tree": "chain:4"}
+    out = engine.result(engine.run({"engine": {**base, "speculative_config": spec}, "prompts": PROMPTS,
+                                    "sampling": GREEDY}))
+    assert out["tokens"] == ref["tokens"]
+    assert out["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # it speculated and accepted some
