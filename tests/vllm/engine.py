@@ -20,7 +20,7 @@ MARK = "STREE-RESULT "  # vLLM logs to stdout too
 
 
 def run(spec: dict, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the engine ``spec`` describes: ``{"engine": {...LLM kwargs}, "prompts": [[ids]],
+    """Run the engine ``spec`` describes: ``{"engine": {...LLM kwargs}, "prompts": [[ids] or text],
     "sampling": {...SamplingParams kwargs}}``; the result is the stdout line after :data:`MARK`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True,
@@ -37,11 +37,12 @@ def _main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**{**ENGINE_DEFAULTS, **spec["engine"]})
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
-                        SamplingParams(**spec["sampling"]), use_tqdm=False)
+    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["prompts"]]
+    outs = llm.generate(prompts, SamplingParams(**spec["sampling"]), use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")
                 and hasattr(m, "value")}
-    print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": counters}),
+    print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                    "texts": [o.outputs[0].text for o in outs], "spec": counters}),
           flush=True)
 
 
