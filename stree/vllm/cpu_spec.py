@@ -16,6 +16,14 @@ shipped pair).
 calls with it to :func:`spec_conv_update` / :func:`spec_state_update`, plain PyTorch loops that
 follow the Triton kernels' contract.
 
+Sampled speculation (T > 0) was lossy for every model: the rejection sampler spreads each
+request's temperature (and top-k, top-p) over its draft positions with ``expand_kernel``, whose
+CPU replacement (``cpu_triton_utils._expand_kernel_impl``) hands the C++ op int64 *copies* of a
+float output and input; the op writes into the copy, and the float output keeps whatever memory
+``torch.empty`` gave it, so the target logits are divided by garbage before acceptance and the
+recovered-token draws. :func:`expand_impl` replaces it (a chi-square test of the sampled output
+against the exact distribution fails without it and passes with it).
+
 Prefix caching of Mamba state ("align" mode, vLLM's default when prefix caching is on) moves the
 accepted state between blocks with fused Triton kernels only, which the CPU build does not have
 (``'function' object is not subscriptable`` in ``run_fused_precopy`` on the first speculative
@@ -147,3 +155,20 @@ def patch_cpu_prefix_caching() -> None:
 
     verify_and_update_config._stree = True
     MambaModelConfig.verify_and_update_config = classmethod(verify_and_update_config)
+
+
+def expand_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from,
+                replace_to, MAX_NUM_TOKENS=None) -> None:
+    """``expand_kernel`` (rejection sampler): ``output[tokens of request r] = input_val[r]``, with
+    ``replace_from`` values replaced by ``replace_to``; any dtype, in place."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    output[:int(counts.sum())] = values.repeat_interleave(counts).to(output.dtype)
+
+
+def patch_cpu_expand() -> None:
+    """Make vLLM's CPU platform register :func:`expand_impl` for ``expand_kernel`` (its kernel
+    overrides are registered after general plugins load, from this module attribute)."""
+    import vllm.utils.cpu_triton_utils as cpu_tl
+
+    cpu_tl._expand_kernel_impl = expand_impl

@@ -65,10 +65,11 @@ def register() -> None:
     patch_runner()
 
     if current_platform.is_cpu():
-        from stree.vllm.cpu_spec import patch_cpu_prefix_caching, patch_cpu_spec_ops
+        from stree.vllm.cpu_spec import patch_cpu_expand, patch_cpu_prefix_caching, patch_cpu_spec_ops
 
         patch_cpu_spec_ops()
         patch_cpu_prefix_caching()
+        patch_cpu_expand()
     model_config.get_config = _route(model_config.get_config)
     _registered = True
 

@@ -2,10 +2,8 @@
 three new tokens at T = 1, enumerated from the target's own model (stree, plain PyTorch) on a
 4-token vocabulary, checked by a chi-square test that rejects a wrong distribution (the draft's).
 
-vLLM's own non-speculative sampling passes. Speculative sampling does not, on this CPU, for
-``method: "stree"`` and for vLLM's own ``ngram`` alike (p-value 0.0 with 1500 samples, measured
-2026-11-25): vLLM 0.32's sampled speculation on CPU is lossy, cause not located yet (greedy is
-exact). That test is a strict xfail: it must start passing when the cause is fixed."""
+vLLM's own non-speculative sampling passes; so do ``method: "stree"`` and vLLM's own ``ngram``,
+which without the plugin's ``expand_kernel`` fix (stree.vllm.cpu_spec) failed with p = 0.0."""
 import itertools
 
 import numpy as np
@@ -88,11 +86,12 @@ def test_vllm_sampling_matches_exact_distribution(pair):
     assert _pvalue(_counts(_sample(target)["tokens"]), p_target) > ALPHA
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32's sampled speculation on CPU is lossy (ngram too); "
-                                       "cause not located, see the module docstring")
-def test_stree_sampling_matches_exact_distribution(pair):
+@pytest.mark.parametrize("method", ["stree", "ngram"])
+def test_speculative_sampling_matches_exact_distribution(pair, method):
     target, draft, p_target, _ = pair
-    out = _sample(target, {"method": "stree", "model": draft, "tree": "chain:3"})
+    config = ({"method": "stree", "model": draft, "tree": "chain:3"} if method == "stree" else
+              {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    out = _sample(target, config)
     spec = out["spec"]
     assert 0 < spec["vllm:spec_decode_num_accepted_tokens"] < spec["vllm:spec_decode_num_draft_tokens"]
     assert _pvalue(_counts(out["tokens"]), p_target) > ALPHA
