@@ -38,7 +38,10 @@ def _main(spec: dict) -> None:
 
     llm = LLM(**{**ENGINE_DEFAULTS, **spec["engine"]})
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["prompts"]]
-    outs = llm.generate(prompts, SamplingParams(**spec["sampling"]), use_tqdm=False)
+    lengths = spec.get("max_tokens")  # per-request max_tokens, overriding the shared sampling's
+    params = ([SamplingParams(**{**spec["sampling"], "max_tokens": n}) for n in lengths] if lengths
+              else SamplingParams(**spec["sampling"]))
+    outs = llm.generate(prompts, params, use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")
                 and hasattr(m, "value")}
     print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],

@@ -35,7 +35,37 @@ def _granite():
         pad_token_id=0))
 
 
-@pytest.mark.parametrize("build", [_mamba2, _granite], ids=["mamba2", "granitemoehybrid"])
+def _nemotron_h():
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+    return NemotronHForCausalLM(NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=128, layers_block_type=[kinds[c] for c in "M*M-"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8,
+        max_position_embeddings=512, pad_token_id=0))
+
+
+def _falcon_h1():
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+    return FalconH1ForCausalLM(FalconH1Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_ssm=128, mamba_chunk_size=8, mamba_rms_norm=True,
+        mamba_norm_before_gate=False, max_position_embeddings=512, pad_token_id=0))
+
+
+def _zamba2():
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+    return Zamba2ForCausalLM(Zamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=8, mamba_headdim=16, mamba_ngroups=2,
+        mamba_d_state=16, mamba_expand=2, chunk_size=8, num_mem_blocks=2, use_shared_attention_adapter=True,
+        adapter_rank=8, use_mem_rope=True, layers_block_type=["mamba", "hybrid"] * 2,
+        max_position_embeddings=512, pad_token_id=0))
+
+
+@pytest.mark.parametrize("build", [_mamba2, _granite, _nemotron_h, _falcon_h1, _zamba2],
+                         ids=["mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"])
 def test_stree_chain_equals_vllm_greedy(tmp_path, build):
     torch.manual_seed(0)
     build().save_pretrained(tmp_path)

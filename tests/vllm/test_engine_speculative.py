@@ -53,3 +53,26 @@ def test_vllm_ngram_exact_with_plugin(reference):
     out = _run({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     assert out["tokens"] == reference
     _acceptance(out)
+
+
+def test_continuous_batching_reuses_draft_slots():
+    """Ten requests of different prompt and output lengths through four sequence slots: requests
+    finish at different times, new ones take their place (and their draft state-pool rows), and
+    every request's tokens equal the target's own greedy decoding."""
+    import torch
+
+    import stree
+    import stree.hybrid
+
+    prompts = [list(range(5 + i, 5 + 3 * i + 2)) for i in range(10)]
+    lengths = [8 + 7 * (i % 4) for i in range(10)]
+    model = stree.hybrid.MambaInLlamaForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    proc = engine.run({"engine": {"model": TARGET, "speculative_config": {"method": "stree", "model": SHIPPED_DRAFT,
+                                                                          "tree": "chain:4"}},
+                       "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": max(lengths),
+                                                        "ignore_eos": True},
+                       "max_tokens": lengths})
+    out = engine.result(proc)["tokens"]
+    for p, n, got in zip(prompts, lengths, out):
+        want = stree.generate(model, None, torch.tensor([p]), n, method="ar").sequences[0, len(p):].tolist()
+        assert got == want
