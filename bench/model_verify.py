@@ -42,7 +42,7 @@ printed as a second table. Rows go to ``bench/results/model_verify_*.csv/.json``
 ``model_verify_*_targets.csv/.json`` with device, commit and date.
 
     python bench/model_verify.py --cuda-graph           # GPU, both models
-    python bench/model_verify.py --tiny --device cpu     # smoke check: tiny shapes, seconds
+    python bench/model_verify.py --tiny                  # CPU smoke check: tiny shapes, seconds
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ class Tree:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default=None, help="default: cpu with --tiny, else cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and trees (CPU smoke check)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--mamba-trees", nargs="+", default=None,
@@ -161,6 +161,8 @@ def parse_args(argv=None):
                     help="max error relative to the largest logit (default 5e-2 bf16/fp16, 1e-3 fp32)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    if args.device is None:  # the tiny shapes are the CPU smoke check
+        args.device = "cpu" if args.tiny else "cuda"
     if args.device == "cpu":
         if not args.tiny:
             ap.error("--device cpu only runs the --tiny smoke check")

@@ -15,7 +15,7 @@ date) to ``bench/results/``. The whole model (``--layers``, 64 by default) is es
 times the layer.
 
     python bench/tree_scan.py                        # GPU
-    python bench/tree_scan.py --device cpu --tiny    # smoke check only (Triton interpreter)
+    python bench/tree_scan.py --tiny                 # CPU smoke check only (Triton interpreter)
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default=None, help="default: cpu with --tiny, else cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny layer and trees (CPU smoke check)")
     ap.add_argument("--nodes", type=int, nargs="+", default=None,
                     help="full binary tree sizes, 2^k - 1 (default 15 31 63; tiny: 3 7)")
@@ -62,6 +62,8 @@ def parse_args():
     ap.add_argument("--layers", type=int, default=64, help="layers of the whole-model estimate")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
+    if args.device is None:  # the tiny shapes are the CPU smoke check
+        args.device = "cpu" if args.tiny else "cuda"
     if args.device == "cpu":
         if not args.tiny:
             ap.error("--device cpu only runs the --tiny smoke check")

@@ -21,6 +21,20 @@ from stree.kernels import conv_replay, ssm_replay
 from stree.kernels._common import debug_checks
 from stree.kernels.replay import conv_replay_index, path_tables
 
+# Attention K/V capacity grows on demand from SEQLEN_CHUNK positions, doubling (capped at the
+# cache's max_seqlen): memory follows the real length within 2x, and a compiled step (which spans
+# the whole capacity) sees a handful of sizes over a run, not one per token.
+SEQLEN_CHUNK = 512
+
+
+def grown_capacity(need: int, max_seqlen: int) -> int:
+    """K/V positions to allocate for ``need`` tokens: ``SEQLEN_CHUNK * 2**k`` for the smallest k
+    that holds them, at most ``max_seqlen``."""
+    capacity = SEQLEN_CHUNK
+    while capacity < need:
+        capacity *= 2
+    return min(capacity, max_seqlen)
+
 
 @dataclass
 class MambaLayerCache:
@@ -55,6 +69,9 @@ class MambaLayerCache:
         self.conv_state.index_copy_(0, slots, rows.conv_state)
         self.ssm_state.index_copy_(0, slots, rows.ssm_state)
 
+    def grow(self, capacity: int) -> None:
+        pass  # a Mamba2 state has a fixed size, whatever the sequence length
+
     def reset(self, slots: torch.Tensor | None = None) -> None:
         """Zero every row, or only the pool slots ``slots (b,)``."""
         if slots is None:
@@ -67,28 +84,39 @@ class MambaLayerCache:
 
 @dataclass
 class AttentionLayerCache:
-    """Committed K/V of one attention layer: ``kv (b, 2, n_kv_heads, max_seqlen, head_dim)``, keys
+    """Committed K/V of one attention layer: ``kv (b, 2, n_kv_heads, capacity, head_dim)``, keys
     at ``kv[:, 0]`` (:attr:`k`), values at ``kv[:, 1]`` (:attr:`v`).
 
     Positions ``[0, lengths[b])`` are committed; a tree forward writes its nodes' K/V as scratch at
     ``lengths[b] + i``. K and V share one tensor, row-major, so a commit moves both with one
     gather and one scatter, and a run of rows (or a pool slot) stays one contiguous block.
+    ``capacity`` grows on demand (:meth:`grow`, driven by :meth:`StatePool.reserve`).
     """
     kv: torch.Tensor
 
     @classmethod
-    def zeros(cls, batch_size, num_kv_heads, max_seqlen, head_dim, *, dtype, device):
-        return cls(torch.zeros(batch_size, 2, num_kv_heads, max_seqlen, head_dim, dtype=dtype,
+    def zeros(cls, batch_size, num_kv_heads, capacity, head_dim, *, dtype, device):
+        return cls(torch.zeros(batch_size, 2, num_kv_heads, capacity, head_dim, dtype=dtype,
                                device=device))
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate ``kv`` with ``capacity`` positions, keeping every position it held (tree
+        scratch included). New positions are zero, not uninitialised: a static-shape step reads
+        the whole capacity under its mask, and a masked NaN would still poison the softmax."""
+        b, two, heads, old, d = self.kv.shape
+        if capacity > old:
+            kv = self.kv.new_zeros(b, two, heads, capacity, d)
+            kv[:, :, :, :old] = self.kv
+            self.kv = kv
 
     @property
     def k(self) -> torch.Tensor:
-        """``(b, n_kv_heads, max_seqlen, head_dim)`` keys (a view)."""
+        """``(b, n_kv_heads, capacity, head_dim)`` keys (a view)."""
         return self.kv[:, 0]
 
     @property
     def v(self) -> torch.Tensor:
-        """``(b, n_kv_heads, max_seqlen, head_dim)`` values (a view)."""
+        """``(b, n_kv_heads, capacity, head_dim)`` values (a view)."""
         return self.kv[:, 1]
 
     def rows(self, start: int, stop: int) -> "AttentionLayerCache":
@@ -112,14 +140,14 @@ class AttentionLayerCache:
         (``[:, :, 0]``) and values (``[:, :, 1]``) of the batch rows ``rows (b, 1)`` at positions
         ``pos (b, l)``: with them a write of K or V is one ``index_put_`` and a move of both one
         ``index_select`` + ``index_copy_``."""
-        _, _, heads, max_seqlen, _ = self.kv.shape
-        base = self.index(rows) * (2 * heads * max_seqlen) + pos
-        offsets = torch.arange(2 * heads, device=pos.device).view(2, heads) * max_seqlen
+        _, _, heads, capacity, _ = self.kv.shape
+        base = self.index(rows) * (2 * heads * capacity) + pos
+        offsets = torch.arange(2 * heads, device=pos.device).view(2, heads) * capacity
         return base[..., None, None] + offsets
 
     @property
     def layout(self) -> tuple[int, int]:
-        """``(n_kv_heads, max_seqlen)``: what :meth:`flat_index` depends on besides the rows, so
+        """``(n_kv_heads, capacity)``: what :meth:`flat_index` depends on besides the rows, so
         layers of equal layout share one table per step."""
         return self.kv.shape[2], self.kv.shape[3]
 
@@ -134,7 +162,7 @@ class AttentionLayerCache:
 @dataclass
 class PooledAttentionCache(AttentionLayerCache):
     """The K/V of ``b`` rows kept in the slots ``slots (b,)`` int64 of a pool's
-    ``kv (num_slots, 2, n_kv_heads, max_seqlen, head_dim)``: writes go to ``kv[slots[r], :, :,
+    ``kv (num_slots, 2, n_kv_heads, capacity, head_dim)``: writes go to ``kv[slots[r], :, :,
     pos]`` in place; reads gather the rows' ``[0, span)`` positions for attention (one copy of
     the span per layer and step, the size of what attention reads anyway; an engine's paged
     attention kernel would read the pool by the same index instead)."""
@@ -238,37 +266,53 @@ class LevelPending(PendingTree):
 
 
 class TreeCache:
-    """All inference state of one patched model for a batch of ``b`` sequences.
+    """All inference state of one patched model for a batch of ``b`` sequences: ``b`` rows of a
+    :class:`StatePool`, which owns the tensors (and grows the attention K/V on demand).
 
     Attributes:
+        pool: the :class:`StatePool` holding the rows.
         layers: ``{layer_idx: MambaLayerCache | AttentionLayerCache}``: the rows' states, or with
-            ``slots`` the pool's (``num_slots`` rows).
+            ``slots`` the pool's (``num_slots`` rows). Rebuilt after the pool grows.
         slots: ``(b,)`` int64 (device): row r's state is row ``slots[r]`` of every layer's tensors
-            (a :class:`StatePool`'s); None: row r is row r (the default, and a cache over a
-            contiguous run of slots, whose layers are views of the pool).
+            (a :class:`StatePool`'s); None: row r is pool slot ``first + r`` (the default, and a
+            cache over a contiguous run of slots, whose layers are views of the pool).
         lengths: ``(b,)`` int64 committed tokens per row (device); ``seqlens`` is its host mirror.
-        max_seqlen: capacity of the attention caches (committed tokens + one tree of scratch).
+        max_seqlen: the most tokens a row may hold (committed tokens + one tree of scratch).
+        capacity: K/V positions allocated now (<= ``max_seqlen``): what a static-shape step spans.
         pending: activations of the last ``tree_forward``, consumed by :meth:`commit`.
     """
 
-    def __init__(self, layers: dict, batch_size: int, max_seqlen: int, device,
+    def __init__(self, pool: "StatePool", batch_size: int, *, first: int = 0,
                  slots: torch.Tensor | None = None):
-        self.layers = layers
-        self.slots = slots
-        self.batch_size = batch_size
-        self.max_seqlen = max_seqlen
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.pool, self.batch_size, self.first, self.slots = pool, batch_size, first, slots
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=pool.device)
         self.seqlens = [0] * batch_size
         self.pending: PendingTree | None = None
+        self._layers, self._generation = None, -1
+
+    @property
+    def layers(self) -> dict:
+        if self._generation != self.pool.generation:  # new or grown pool tensors: new views
+            whole = self.slots is not None or (self.first == 0 and self.batch_size == self.pool.num_slots)
+            self._layers = self.pool.layers if whole else {
+                i: c.rows(self.first, self.first + self.batch_size) for i, c in self.pool.layers.items()}
+            self._generation = self.pool.generation
+        return self._layers
+
+    @property
+    def max_seqlen(self) -> int:
+        return self.pool.max_seqlen
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
 
     def row(self, b: int) -> "TreeCache":
         """A view of row ``b`` sharing storage (used for ragged prefill)."""
         if self.slots is None:
-            view = TreeCache({i: c.rows(b, b + 1) for i, c in self.layers.items()}, 1,
-                             self.max_seqlen, self.lengths.device)
+            view = TreeCache(self.pool, 1, first=self.first + b)
         else:
-            view = TreeCache(self.layers, 1, self.max_seqlen, self.lengths.device,
-                             slots=self.slots[b:b + 1])
+            view = TreeCache(self.pool, 1, slots=self.slots[b:b + 1])
         view.lengths = self.lengths[b:b + 1]
         view.seqlens = [self.seqlens[b]]
         return view
@@ -297,12 +341,27 @@ class TreeCache:
         self.seqlens = [0] * self.batch_size
         self.pending = None
 
-    def check_room(self, new_tokens: int) -> None:
-        need = max(self.seqlens) + new_tokens
+    def reserve(self, new_tokens: int | list[int]) -> None:
+        """Make room for ``new_tokens`` more tokens in every row (or ``new_tokens[r]`` in row r):
+        the pool's K/V grow when they do not fit (:meth:`StatePool.reserve`).
+
+        Raises:
+            ValueError: a row would pass ``max_seqlen``; nothing is allocated or changed.
+        """
+        extra = new_tokens if isinstance(new_tokens, list) else [new_tokens] * self.batch_size
+        need, row = max((s + n, r) for r, (s, n) in enumerate(zip(self.seqlens, extra)))
         if need > self.max_seqlen:
+            which = f"row {row}: " if self.batch_size > 1 else ""
             raise ValueError(
-                f"sequence length {need} (committed {max(self.seqlens)} + {new_tokens} new) exceeds "
-                f"the cache's max_seqlen {self.max_seqlen}; allocate a larger cache")
+                f"sequence length {need} ({which}committed {self.seqlens[row]} + {extra[row]} new) "
+                f"exceeds the cache's max_seqlen {self.max_seqlen}; allocate a larger cache")
+        self.pool.reserve(need)
+
+    def _check_forwarded(self, counts: list[int]) -> None:
+        """After level forwards, a path may not reach below the deepest forwarded level."""
+        if isinstance(self.pending, LevelPending) and max(counts) - 1 > self.pending.forwarded_depth:
+            raise ValueError(f"the path reaches depth {max(counts) - 1} but only nodes down to depth "
+                             f"{self.pending.forwarded_depth} were forwarded; level_forward them first")
 
     def advance(self, counts: list[int]) -> None:
         """Record that row b committed ``counts[b]`` more tokens."""
@@ -327,14 +386,14 @@ class TreeCache:
         path = torch.as_tensor(path, dtype=torch.long, device=self.lengths.device)
         if path.dim() == 1:
             path = path.unsqueeze(0)
+        if counts is not None:
+            self._check_forwarded(counts)  # before the debug checks: the more telling error
         if counts is None or debug_checks():
             checked = _validate_path(path, tree, self.batch_size)  # reads the path on the host
             if counts is not None and list(counts) != checked:
                 raise ValueError(f"counts {list(counts)} do not match the path lengths {checked}")
             counts = checked
-        if isinstance(self.pending, LevelPending) and max(counts) - 1 > self.pending.forwarded_depth:
-            raise ValueError(f"the path reaches depth {max(counts) - 1} but only nodes down to depth "
-                             f"{self.pending.forwarded_depth} were forwarded; level_forward them first")
+            self._check_forwarded(counts)
         shared = {"rows": torch.arange(self.batch_size, device=path.device)[:, None]}
         if isinstance(self.pending, LevelPending):
             last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
@@ -353,18 +412,40 @@ class TreeCache:
 
 @dataclass
 class StatePool:
-    """Preallocated committed state of ``num_slots`` sequences, per layer, that caches index by
-    slot (the way serving engines keep SSM state: vLLM's per-request state indices, SGLang's
-    Mamba state pool). Built by ``model.allocate_state_pool(num_slots, max_seqlen)``.
+    """Committed state of ``num_slots`` sequences, per layer, that caches index by slot (the way
+    serving engines keep SSM state: vLLM's per-request state indices, SGLang's Mamba state pool).
+    Built by ``model.allocate_state_pool(num_slots, max_seqlen)``.
+
+    Mamba2 states have a fixed size and are allocated once. Attention K/V start at
+    ``capacity = grown_capacity(1, max_seqlen)`` positions per slot and grow when a cache needs
+    more (:meth:`reserve`), doubling up to ``max_seqlen``; every slot moves with them.
 
     Attributes:
         layers: ``{layer_idx: MambaLayerCache | AttentionLayerCache}`` with ``num_slots`` on the
             batch axis: ``conv_state (P, c, w)``, ``ssm_state (P, h, p, s)``,
-            ``kv (P, 2, hkv, max_seqlen, d)``.
-        max_seqlen: tokens per slot (attention K/V capacity).
+            ``kv (P, 2, hkv, capacity, d)``.
+        max_seqlen: the most tokens a slot may hold (a model's context limit, or a request's
+            length); nothing is allocated for it up front.
+        capacity: K/V positions per slot allocated now.
+        generation: bumped by every growth, so that caches holding views of the old tensors
+            rebuild them.
     """
     layers: dict
     max_seqlen: int
+    capacity: int
+    generation: int = 0
+
+    def reserve(self, need: int) -> None:
+        """Grow the attention K/V (every slot, contents kept) to hold ``need`` tokens per slot:
+        to :func:`grown_capacity` ``(need, max_seqlen)`` positions. The caller has checked
+        ``need <= max_seqlen``. Every position moves to the new tensors, pending tree scratch
+        included (a drafter's later levels may grow the K/V its earlier levels wrote)."""
+        if need <= self.capacity:
+            return
+        self.capacity = grown_capacity(need, self.max_seqlen)
+        for c in self.layers.values():
+            c.grow(self.capacity)
+        self.generation += 1
 
     @property
     def num_slots(self) -> int:
@@ -392,11 +473,9 @@ class StatePool:
         slots = _check_slots(slots, self.num_slots)
         b, first = len(slots), slots[0]
         if slots == list(range(first, first + b)):  # a contiguous run: views, no index
-            cache = TreeCache({i: c.rows(first, first + b) for i, c in self.layers.items()}, b,
-                              self.max_seqlen, self.device)
+            cache = TreeCache(self, b, first=first)
         else:
-            cache = TreeCache(self.layers, b, self.max_seqlen, self.device,
-                              slots=torch.tensor(slots, dtype=torch.long, device=self.device))
+            cache = TreeCache(self, b, slots=torch.tensor(slots, dtype=torch.long, device=self.device))
         cache.reset()
         return cache
 

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 
 import torch
 
@@ -101,15 +102,24 @@ def guarded(run, args) -> int:
     """``run(args)``, with any error printed as one ``error: ...`` line (exit status 1) unless
     ``args.debug``, where it propagates with its traceback."""
     try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the text so far is flushed (TextStreamer.interrupt)
+        sys.stdout.flush()
+        print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - the command line's last line of defence
         if getattr(args, "debug", False):
             raise
         print(f"error: {describe_error(err)}", file=sys.stderr)
         return 1
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one ``warning: ...`` line (a capped ``--max-new-tokens``, see
+    ``stree.limits``), not Python's two lines of source location."""
+    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr)
 
 
 def describe_error(err: BaseException) -> str:
@@ -149,11 +159,15 @@ def run_generate(args) -> int:
     if args.seed is not None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, args.max_new_tokens, progress=not args.no_progress)
-    out = generate(target, draft, torch.tensor([ids], device=device), args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=None if -1 in eos else eos,
-                   drafter=drafter, verifier=args.verifier, method=args.method,
-                   generator=generator, streamer=streamer, compile=args.compile)
+    try:
+        out = generate(target, draft, torch.tensor([ids], device=device), args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       eos_token_id=None if -1 in eos else eos,
+                       drafter=drafter, verifier=args.verifier, method=args.method,
+                       generator=generator, streamer=streamer, compile=args.compile)
+    except KeyboardInterrupt:
+        streamer.interrupt()
+        raise
     print(out.stats.summary(), file=sys.stderr)
     return 0
 
@@ -314,9 +328,11 @@ class TextStreamer:
         self.tokenizer, self.out, self.err = tokenizer, out or sys.stdout, err or sys.stderr
         self.tokens: list[int] = []
         self.prefix = self.read = 0  # window start; tokens[:read] have been printed
-        self.prompt_seen = False
-        show_bar = progress and not _isatty(self.out)
-        self.bar = _progress_bar(total, self.err) if show_bar else None
+        self.prompt_seen = self.ended = False
+        # drawn from the first new token on, so that what generate prints first (a warning that
+        # it capped max_new_tokens) is not written into the bar's line
+        self.total, self.bar = total, None
+        self.show_bar = progress and not _isatty(self.out)
 
     def put(self, tokens: torch.Tensor) -> None:
         if not self.prompt_seen:  # the first put is the prompt
@@ -324,6 +340,8 @@ class TextStreamer:
             return
         new = tokens.view(-1).tolist()
         self.tokens += new
+        if self.show_bar and self.bar is None and not self.ended:
+            self.bar = _progress_bar(self.total, self.err)
         printed, text = self._window()
         if len(text) > len(printed) and not text.endswith("\ufffd"):  # complete characters only
             self._write(text[len(printed):])
@@ -332,11 +350,23 @@ class TextStreamer:
             self.bar.update(len(new))
 
     def end(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
         printed, text = self._window()
         self._write(text[len(printed):] + "\n")
         self.prefix = self.read = len(self.tokens)
-        if self.bar is not None:
+        self.ended = True
+
+    def interrupt(self) -> None:
+        """Ctrl-C during generation: clear the progress bar, print the text decoded so far (held
+        back characters too) and end its line, so that the one-line message after it stands
+        alone."""
+        if not self.ended and self.tokens:
+            self.end()
+        elif self.bar is not None:
             self.bar.close()
+            self.bar = None
 
     def _window(self) -> tuple[str, str]:
         """(decoded printed part of the window, decoded whole window)."""

@@ -61,6 +61,9 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per method over all prompts, interleaved; the median is "
                              "reported (default 2)")
+    parser.add_argument("--no-prepack", action="store_true",
+                        help="CPU fp32: keep PyTorch's plain linear layers instead of prepacked "
+                             "weights (stree.prepack_linears), for every method")
     from stree.cli import add_debug_flag
 
     add_debug_flag(parser)
@@ -103,8 +106,8 @@ def run(args) -> int:
     # the shipped models saw <|endoftext|> (= bos) before every training file
     bos = model_config(target_dir).get("bos_token_id")
     ids = [torch.tensor([encode_prompt(tokenizer, p, bos)], device=device) for p in prompts]
-    target = load_role("target", target_dir, device, dtype)
-    draft = load_role("draft", draft_dir, device, dtype)
+    target = load_role("target", target_dir, device, dtype, prepack=not args.no_prepack)
+    draft = load_role("draft", draft_dir, device, dtype, prepack=not args.no_prepack)
     eos = default_eos(target_dir, tokenizer)
     print(f"target: {_describe(target)}\ndraft:  {_describe(draft)}\n")
     print("=" * 30 + " prompt " + "=" * 30 + f"\n{prompts[0]}")

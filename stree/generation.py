@@ -31,8 +31,11 @@ import torch
 from torch import Tensor
 
 from stree import capture, native
+from stree.cache import SEQLEN_CHUNK
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
 from stree.draft.base import commit_draft
+from stree.inputs import stop_ids, token_id, token_ids
+from stree.limits import cap_new_tokens, context_limit
 from stree.sampling import SamplingConfig, sample
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
@@ -40,14 +43,13 @@ from stree.verify import default_verifier, get_verifier
 
 METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
 COMPILED_METHODS = ("tree", "chain", "ar-tree")
-COMPILED_SEQLEN_STEP = 512  # compile=True rounds the default max_seqlen up to a multiple of this
 
 
 def default_drafter(method: str, device: torch.device | str | None = None) -> str:
     """The drafter spec a method runs when none is given. For "tree", the one the device's
     costs favour (STree's Eq. 7/8, time per token = t(N) / tau): on a GPU a verify costs about the
     same for 1 or 13 nodes, so Fig. 4a's 13-node tree; elsewhere every node the draft runs costs
-    a draft step, so a caterpillar whose draft runs one node per level (README: Benchmarks)."""
+    a draft step, so a caterpillar whose draft runs one node per level (docs/benchmarks.md)."""
     if method == "chain":
         return "chain:4"
     if method == "tree" and torch.device(device or "cpu").type != "cuda":
@@ -76,10 +78,14 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     Args:
         target, draft: patched models (``stree.patch``) with the same vocabulary; ``draft`` may be
             None for ``method="ar"`` / ``"ar-tree"``.
-        input_ids: ``(b, l)`` / ``(l,)`` tensor, or a list of 1-D prompts of different lengths.
-        max_new_tokens: exact cap on new tokens per row (an accepted path is truncated).
+        input_ids: ``(b, l)`` / ``(l,)`` integer tensor, a list of ints, or a list of 1-D prompts
+            of different lengths.
+        max_new_tokens: exact cap on new tokens per row (an accepted path is truncated). Nothing
+            is allocated for it up front (caches grow with the real length), so a large value
+            means "until EOS"; past a model's context limit it is capped, with a
+            :class:`stree.limits.ContextLimitWarning` (see :mod:`stree.limits`).
         temperature, top_k, top_p: target sampling (``temperature == 0``: greedy).
-        eos_token_id: a row stops after emitting it (or any of a list).
+        eos_token_id: a row stops after emitting it (or any of a list); ids in the vocabulary.
         drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
             ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method and
             device (:func:`default_drafter`).
@@ -90,18 +96,24 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         generator: torch.Generator for all sampling (drafts and verification).
         streamer: object with ``put(tokens)`` / ``end()`` (mamba_ssm / Hugging Face style): gets the
             prompt, then the tokens of every step as they are accepted. Batch size 1 only.
-        pad_token_id: pads ragged rows (default ``eos_token_id``, else 0).
-        max_seqlen: cache capacity; default prompt + max_new_tokens + tree size.
+        pad_token_id: pads ragged rows (default ``eos_token_id``, else 0); an id in the vocabulary.
+        max_seqlen: the most tokens a cache row may hold (prompt + new tokens + one tree of
+            scratch; a longer request is refused); default: the request, rounded up to a
+            multiple of 512 (so that compiled steps share shapes across calls), at most the
+            models' context limit. Attention K/V grow on demand up to it.
         compile: run the target's verify step and the draft levels compiled
             (``torch.compile(fullgraph=True)``, see :mod:`stree.capture`; attention then reads
-            the whole ``max_seqlen`` span under its mask): one graph per model and template
-            shape, compiled on first use and kept on the model (the default ``max_seqlen`` is
-            rounded up to a multiple of 512 so that calls share graphs). Static-shape drafters and
+            the cache's whole K/V capacity under its mask): one graph per model, template shape
+            and capacity (capacities double from 512, so a run sees a few), compiled on first
+            use and kept on the model. Static-shape drafters and
             methods "tree", "chain", "ar-tree" only. Where torch.compile is unavailable: a
             RuntimeWarning and eager steps.
     Raises:
+        TypeError: non-integer ``input_ids``, ``eos_token_id`` or ``pad_token_id``.
         ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
-            mismatch, an empty prompt, or a sequence that would not fit ``max_seqlen``.
+            mismatch, an empty prompt, token ids outside the vocabulary, a sequence that would
+            not fit an explicit ``max_seqlen``, or a prompt that leaves no room within a model's
+            context limit.
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -111,17 +123,27 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device)
     if drafter.uses_draft_model:
         _check_vocab(target, draft)
-        drafter.prepare(target, draft, sampling)
-    prompts = _as_prompts(input_ids, device)
+    # every check of the request before anything runs or is allocated
+    vocab = vocab_size(target)
+    prompts = _as_prompts(input_ids, device, vocab)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    seqlen = _seqlen(prompts, max_new_tokens, drafter, max_seqlen)
-    if compile and max_seqlen is None:  # compiled steps span max_seqlen: one size for most prompts
-        seqlen = -(-seqlen // COMPILED_SEQLEN_STEP) * COMPILED_SEQLEN_STEP
+    eos = stop_ids(eos_token_id, vocab)
+    if pad_token_id is not None:
+        token_id(pad_token_id, vocab, "pad_token_id")
     if streamer is not None and len(prompts) != 1:
         raise ValueError(f"a streamer needs batch size 1, got {len(prompts)} prompts")
-    eos = set() if eos_token_id is None else (
-        {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id})
+    limits = {"target": context_limit(target),
+              "draft": context_limit(draft) if drafter.uses_draft_model else None}
+    longest = max(len(p) for p in prompts)
+    _check_max_seqlen(longest, max_new_tokens, drafter.num_nodes, max_seqlen)
+    max_new_tokens = cap_new_tokens(longest, max_new_tokens, drafter.num_nodes, limits)
+    seqlen = _seqlen(longest, max_new_tokens, drafter.num_nodes, max_seqlen,
+                     min((n for n in limits.values() if n is not None), default=None))
+    if drafter.uses_draft_model:
+        drafter.prepare(target, draft, sampling)
 
     stats = GenerationStats(method, drafter=getattr(drafter, "name", type(drafter).__name__),
                             verifier=getattr(verifier, "name", type(verifier).__name__),
@@ -417,31 +439,49 @@ def _device(model) -> torch.device:
     return param.device if param is not None else torch.device(getattr(model, "device", "cpu"))
 
 
-def _as_prompts(input_ids, device) -> list[Tensor]:
-    """Prompts as a list of 1-D int64 tensors on ``device``."""
-    if isinstance(input_ids, Tensor):
-        if input_ids.dim() not in (1, 2):
-            raise ValueError(f"input_ids must be (l,) or (b, l), got {tuple(input_ids.shape)}")
-        rows = [input_ids] if input_ids.dim() == 1 else list(input_ids)
-    elif isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], int):
-        rows = [input_ids]
+def _as_prompts(input_ids, device, vocab: int | None) -> list[Tensor]:
+    """Prompts as a list of 1-D int64 tensors on ``device``, checked: integer ids (TypeError
+    otherwise), in ``[0, vocab)``, at least one per prompt."""
+    if not isinstance(input_ids, (list, tuple)):  # a tensor or an array
+        if not hasattr(input_ids, "__len__") or isinstance(input_ids, (str, bytes)):
+            raise TypeError(f"input_ids must be an integer tensor, a list of ints or a list of "
+                            f"prompts, got {type(input_ids).__name__}")
+        ids = token_ids(input_ids, device)
+        if ids.dim() not in (1, 2):
+            raise ValueError(f"input_ids must be (l,) or (b, l), got {tuple(ids.shape)}")
+        rows = [ids] if ids.dim() == 1 else list(ids)
+    elif input_ids and not hasattr(input_ids[0], "__len__"):
+        rows = [token_ids(input_ids, device)]  # one prompt as a flat list of ints
     else:
-        rows = list(input_ids)
+        rows = [token_ids(r, device).view(-1) for r in input_ids]
     if not rows:
         raise ValueError("no prompts given")
-    prompts = [torch.as_tensor(r, device=device).long().view(-1) for r in rows]
-    empty = [i for i, p in enumerate(prompts) if p.numel() == 0]
-    if empty:
-        raise ValueError(f"empty prompt (row {empty[0]}): generation needs at least one prompt token")
-    return prompts
+    for i, p in enumerate(rows):
+        if p.numel() == 0:
+            raise ValueError(f"empty prompt (row {i}): generation needs at least one prompt token")
+        low, high = p.aminmax()
+        if int(low) < 0 or (vocab is not None and int(high) >= vocab):
+            raise ValueError(f"input_ids row {i}: token ids must lie in [0, {vocab}), got "
+                             f"{int(low) if int(low) < 0 else int(high)}")
+    return rows
 
 
-def _seqlen(prompts, max_new_tokens: int, drafter: Drafter, max_seqlen: int | None) -> int:
-    """Cache capacity: committed tokens never exceed prompt + max_new_tokens - 2 before a tree of
-    ``num_nodes`` scratch positions is forwarded."""
-    need = max(len(p) for p in prompts) + max_new_tokens + drafter.num_nodes
+def _check_max_seqlen(prompt_len: int, max_new_tokens: int, scratch: int,
+                      max_seqlen: int | None) -> None:
+    """An explicit ``max_seqlen`` is the caller's bound: a longer request is refused."""
+    need = prompt_len + max_new_tokens + scratch
     if max_seqlen is not None and need > max_seqlen:
-        raise ValueError(
-            f"prompt length {max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} + tree "
-            f"size {drafter.num_nodes} = {need} exceeds max_seqlen {max_seqlen}")
-    return need if max_seqlen is None else max_seqlen
+        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} + tree "
+                         f"size {scratch} = {need} exceeds max_seqlen {max_seqlen}")
+
+
+def _seqlen(prompt_len: int, max_new_tokens: int, scratch: int, max_seqlen: int | None,
+            limit: int | None) -> int:
+    """The caches' ``max_seqlen``: committed tokens never exceed prompt + max_new_tokens - 2
+    before a tree of ``scratch`` nodes is forwarded. Default: that, rounded up to a multiple
+    of ``SEQLEN_CHUNK`` (compiled steps span the capacity, which is capped here: one size for
+    most calls), at most the models' context ``limit``. Nothing is allocated for it up front."""
+    if max_seqlen is not None:
+        return max_seqlen
+    need = -(-(prompt_len + max_new_tokens + scratch) // SEQLEN_CHUNK) * SEQLEN_CHUNK
+    return need if limit is None else min(need, limit)

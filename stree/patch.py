@@ -18,7 +18,8 @@ from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_
 
 from stree import hf
 from stree.cache import (AttentionActivations, LevelPending, NodeStates, PendingTree, StatePool,
-                         TreeCache)
+                         TreeCache, grown_capacity)
+from stree.inputs import token_ids
 from stree.layers import attention, mamba2
 from stree.tree import TokenTree
 
@@ -28,16 +29,20 @@ class TreeDecodingMixin:
 
     def allocate_tree_cache(self, batch_size: int, max_seqlen: int, dtype=None) -> TreeCache:
         """Zero state for ``batch_size`` sequences of up to ``max_seqlen`` tokens (prompt,
-        generated tokens and one tree of scratch for attention layers)."""
+        generated tokens and one tree of scratch for attention layers). Attention K/V are
+        allocated for what the rows hold and grow on demand (:class:`StatePool`), so a large
+        ``max_seqlen`` costs nothing up front."""
         pool = self.allocate_state_pool(batch_size, max_seqlen, dtype)
-        return TreeCache(pool.layers, batch_size, max_seqlen, pool.device)  # row r = slot r
+        return TreeCache(pool, batch_size)  # row r = slot r
 
     def allocate_state_pool(self, num_slots: int, max_seqlen: int, dtype=None) -> StatePool:
-        """Zero state for ``num_slots`` sequences, per layer; ``pool.cache(slots)`` makes a
-        :class:`TreeCache` whose row r lives in slot ``slots[r]`` (see :class:`StatePool`)."""
+        """Zero state for ``num_slots`` sequences of up to ``max_seqlen`` tokens, per layer;
+        ``pool.cache(slots)`` makes a :class:`TreeCache` whose row r lives in slot ``slots[r]``
+        (see :class:`StatePool`)."""
         if num_slots < 1 or max_seqlen < 1:
             raise ValueError(f"the number of sequences (batch_size / num_slots) and max_seqlen must be "
                              f"positive, got {num_slots}, {max_seqlen}")
+        capacity = grown_capacity(1, max_seqlen)
         layers = {}
         for idx, mixer in _stree_mixers(self):
             if mamba2.is_mamba2(mixer):
@@ -45,8 +50,8 @@ class TreeDecodingMixin:
             else:
                 a = attention.view(mixer)
                 w = _first_weight(mixer)
-                layers[idx] = attention.allocate(a, num_slots, max_seqlen, dtype or w.dtype, w.device)
-        return StatePool(layers, max_seqlen)
+                layers[idx] = attention.allocate(a, num_slots, capacity, dtype or w.dtype, w.device)
+        return StatePool(layers, max_seqlen, capacity)
 
     @torch.inference_mode()
     def prefill(self, input_ids, cache: TreeCache) -> torch.Tensor:
@@ -60,9 +65,10 @@ class TreeDecodingMixin:
         if cache.pending is not None:
             cache.pending = None  # an uncommitted tree is abandoned
         if isinstance(input_ids, (list, tuple)):
-            rows = [torch.as_tensor(r, device=cache.lengths.device).long().view(-1) for r in input_ids]
+            rows = [token_ids(r, cache.lengths.device).view(-1) for r in input_ids]
             if len(rows) != cache.batch_size:
                 raise ValueError(f"{len(rows)} prompts for a cache of batch size {cache.batch_size}")
+            cache.reserve([len(r) for r in rows])  # grow once for the longest row, before the views
             outs = []
             for b, r in enumerate(rows):
                 row = cache.row(b)
@@ -75,7 +81,7 @@ class TreeDecodingMixin:
         if len(set(cache.seqlens)) != 1:
             raise ValueError("prefill of a (b, l) tensor needs rows with equal committed lengths; "
                              "pass a list of 1-D prompts to prefill rows separately")
-        cache.check_room(input_ids.shape[1])
+        cache.reserve(input_ids.shape[1])
 
         states = cache.states()
 
@@ -104,10 +110,10 @@ class TreeDecodingMixin:
         vocab = _vocab_size(self)
         if tree.max_token is not None and tree.max_token >= vocab:  # host-side: no device sync
             raise ValueError(f"tree token {tree.max_token} out of range for vocab size {vocab}")
-        cache.check_room(tree.num_nodes)
+        cache.reserve(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
         steps = _steps(self)
-        span = cache.max_seqlen if steps.static else max(cache.seqlens) + tree.num_nodes
+        span = cache.capacity if steps.static else max(cache.seqlens) + tree.num_nodes
         tables = _tables(self, tree, tree, cache.lengths, span)
         logits, acts = steps.tree(self, tree.tokens, cache.states(), tables, impl)
         cache.pending = PendingTree(tree, acts)
@@ -136,9 +142,9 @@ class TreeDecodingMixin:
             # slot 0: the committed state, then room for every node
             slots = (capacity or tree.num_nodes) + 1
             pending = LevelPending(tree, _level_states(self, cache, slots), slots)
-        cache.check_room(tree.num_nodes)
+        cache.reserve(tree.num_nodes)
         steps = _steps(self)
-        span = cache.max_seqlen if steps.static else max(cache.seqlens) + tree.num_nodes
+        span = cache.capacity if steps.static else max(cache.seqlens) + tree.num_nodes
         tables = _tables(self, tree, None, cache.lengths, span, nodes=nodes)
         # flat NodeStates indices: each node's parent's slot (the root's: slot 0, the committed
         # state) and its own slot (node + 1), row r's slots starting at r * slots
@@ -196,7 +202,7 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
 @dataclass(frozen=True)
 class Steps:
     """The step functions a patched model runs: eager by default; ``stree.capture`` installs
-    compiled ones, which need ``static`` shapes (attention over the whole ``max_seqlen``)."""
+    compiled ones, which need ``static`` shapes (attention over the cache's whole ``capacity``)."""
     tree: Callable = tree_step
     level: Callable = level_step
     static: bool = False
@@ -338,7 +344,7 @@ def _vocab_size(model) -> int:
 
 
 def _check_ids(model, input_ids, cache) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids, device=cache.lengths.device).long()
+    ids = token_ids(input_ids, cache.lengths.device)
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != cache.batch_size:

@@ -44,7 +44,8 @@ class FakeCache:
     def row(self, b: int) -> "FakeCache":
         return FakeCache(1, self.max_seqlen, self.tokens[b:b + 1], self.lengths[b:b + 1])
 
-    def check_room(self, new_tokens: int) -> None:
+    def reserve(self, new_tokens: int) -> None:
+        """Like ``TreeCache.reserve``, without growth (the fake's token table is small)."""
         if max(self.seqlens) + new_tokens > self.max_seqlen:
             raise ValueError(f"sequence length {max(self.seqlens) + new_tokens} exceeds max_seqlen "
                              f"{self.max_seqlen}")
@@ -119,7 +120,7 @@ class FakeLM:
         ids = torch.as_tensor(input_ids).long()
         if ids.shape[1] == 0:
             raise ValueError("empty prompt: prefill needs at least one token")
-        cache.check_room(ids.shape[1])
+        cache.reserve(ids.shape[1])
         self.calls.append(Call("prefill", ids.clone(), committed=cache.seqlens))
         prev = torch.cat([self._last(cache)[:, None], ids[:, :-1]], dim=1)
         logits = self.table[prev, ids]
@@ -133,7 +134,7 @@ class FakeLM:
             raise ValueError(f"tree batch {tree.batch_size} != cache batch {cache.batch_size}")
         if int(tree.tokens.max()) >= self.vocab_size:
             raise ValueError(f"tree token out of range for vocab size {self.vocab_size}")
-        cache.check_room(tree.num_nodes)
+        cache.reserve(tree.num_nodes)
         self.calls.append(Call("tree_forward", tree.tokens.clone(), tree.parents.clone(),
                                committed=cache.seqlens))
         parent_tok = tree.tokens.gather(1, tree.parents.clamp(min=0))

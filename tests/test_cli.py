@@ -335,3 +335,17 @@ def test_prepack_is_the_default_and_no_prepack_reaches_the_loader(tmp_path, monk
                      "--no-progress", *flag)
     assert rc == 0, err
     assert seen == [not flag, not flag]  # target and draft
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-prepack"]])
+def test_demo_no_prepack_reaches_the_loader(monkeypatch, capsys, flag):
+    seen = []
+
+    def load_model(d, device, dtype, kind, prepack):
+        seen.append(prepack)
+        raise ValueError("stop here")  # the flag is all this test needs
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    rc, _, err = run(capsys, "demo", "--prompts", "1", *flag)
+    assert rc == 1 and "stop here" in err
+    assert seen == [not flag]

@@ -18,7 +18,7 @@ def make_hybrid(attn_layers, n_layer=4, seed=0, rope_scaling=None):
     cfg = MambaInLlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                              num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
                              attn_layers=tuple(attn_layers), d_state=16, rope_scaling=rope_scaling,
-                             max_position_embeddings=64)
+                             max_position_embeddings=512)  # its context limit: > every test's length
     model = MambaInLlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():  # larger weights than the init so every path matters

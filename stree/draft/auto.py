@@ -60,7 +60,7 @@ chains looking worse than they are.
 Choices are made by optimism in the face of uncertainty: a candidate timed over ``n`` steps
 gets a bonus of ``optimism / sqrt(1 + n)`` (20%) on its predicted tokens per second, so the
 model's near misses are tried and then judged by their own measurements (a 10% bonus did worse
-on the shipped pair at T = 1; the README has the side-by-side figures).
+on the shipped pair at T = 1).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ DEFAULT_CANDIDATES = ("static:fig4a", "chain:1", "chain:2", "chain:3", "chain:4"
                       "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "caterpillar:3,2,2,2,2",
                       "caterpillar:2,2,2,2,2,2", "dyspec:8", "dyspec:16", "dyspec:32")
 # Off a GPU every node a draft level runs costs a draft step, so only shapes that draft one node
-# per level pay (README: Benchmarks), and every extra candidate costs exploration: on the shipped
+# per level pay (docs/benchmarks.md), and every extra candidate costs exploration: on the shipped
 # pair (CPU) auto over all 18 ran 3-7% slower than over these 5, side by side.
 CPU_CANDIDATES = ("caterpillar:2,2,2,2,2", "chain:4", "caterpillar:2,2,2,2", "chain:2", "chain:6")
 

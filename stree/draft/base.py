@@ -189,9 +189,13 @@ def commit_draft(model, cache, tree, path: Tensor, counts: list[int], last_nodes
     no chain).
     """
     unforwarded = any(c and not ran(node) for c, node in zip(counts, last_nodes))
+    # The verdict's path is as wide as the whole drafted tree, but the draft's last forward may
+    # have covered a shallower prefix of it (a static tree's deepest layer never runs): commit
+    # only the columns some row fills, which that prefix holds (a view, no device sync).
+    path = path[:, :max(max(counts), 1)]
     if not hasattr(model, "level_forward"):
         if not unforwarded:
-            cache.commit(path[:, :max(counts)], counts)
+            cache.commit(path, counts)
             return True
         return False
     if unforwarded:

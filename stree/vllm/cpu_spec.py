@@ -24,11 +24,13 @@ float output and input; the op writes into the copy, and the float output keeps 
 recovered-token draws. :func:`expand_impl` replaces it (a chi-square test of the sampled output
 against the exact distribution fails without it and passes with it).
 
-Prefix caching of Mamba state ("align" mode, vLLM's default when prefix caching is on) moves the
-accepted state between blocks with fused Triton kernels only, which the CPU build does not have
-(``'function' object is not subscriptable`` in ``run_fused_precopy`` on the first speculative
-step). :func:`patch_cpu_prefix_caching` turns prefix caching off, with a warning, for Mamba
-models that speculate on CPU.
+Prefix caching of Mamba state ("align" mode, vLLM's default when prefix caching is on) does not
+work on the CPU build: under speculation it moves the accepted state between blocks with fused
+Triton kernels only (``'function' object is not subscriptable`` in ``run_fused_precopy`` on the
+first speculative step), and even without speculation a prompt longer than a few blocks fails in
+the prefill (the CPU chunk scan returns final states only, where "align" mode indexes per-chunk
+checkpoints: ``index 1 is out of bounds`` in ``conv_ssm_forward``). :func:`patch_cpu_prefix_caching`
+turns prefix caching off, with a warning, for Mamba models on CPU.
 """
 from __future__ import annotations
 
@@ -138,7 +140,7 @@ def patch_cpu_spec_ops() -> None:
 
 
 def patch_cpu_prefix_caching() -> None:
-    """Turn prefix caching off when a Mamba model speculates on CPU (see the module docstring)."""
+    """Turn prefix caching off for Mamba models on CPU (see the module docstring)."""
     from vllm.model_executor.models.config import MambaModelConfig
 
     original = MambaModelConfig.verify_and_update_config.__func__
@@ -147,9 +149,9 @@ def patch_cpu_prefix_caching() -> None:
 
     def verify_and_update_config(cls, vllm_config) -> None:
         cache = vllm_config.cache_config
-        if vllm_config.speculative_config is not None and cache.enable_prefix_caching:
-            logger.warning("stree: prefix caching turned off: vLLM's CPU build cannot copy Mamba state "
-                           "between prefix-cache blocks under speculative decoding (Triton-only kernels)")
+        if cache.enable_prefix_caching:
+            logger.warning("stree: prefix caching turned off: vLLM's CPU build cannot cache Mamba state "
+                           "by prefix (see stree/vllm/cpu_spec.py)")
             cache.enable_prefix_caching = False
         original(cls, vllm_config)
 

@@ -5,10 +5,11 @@ each request keeps one row (slot) of the draft's :class:`~stree.cache.StatePool`
 request id, holding the draft state of the committed sequence up to (not including) its last
 token. A step feeds the tokens committed since the last step (the previous root, the accepted
 draft tokens) through the draft from that state, then drafts a chain from the new last token
-(the root, which neither model has run). A request whose history no longer extends what its
-slot holds (preempted and recomputed, or an id reused) is re-prefilled; finished and preempted
-requests give their slot back (:func:`patch_runner` passes vLLM's request ids and those events
-in, since vLLM's custom-proposer call carries neither).
+(the root, which neither model has run). Rows belong to the requests of the current batch: a
+request that left it (finished, aborted or preempted) gives its slot back, and one whose history
+no longer extends what its slot holds (preempted and recomputed, or an id reused) is
+re-prefilled. :func:`patch_runner` passes vLLM's request ids in, since vLLM's custom-proposer call
+does not carry them.
 """
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ class StreeProposer:
         self.req_ids: list[str] = []
 
     # -- lifecycle (from patch_runner) ------------------------------------------------------------
-    def bind(self, req_ids, released) -> None:
-        """This step's batch order (vLLM's ``input_batch.req_ids``) and requests to forget
-        (finished, aborted or preempted)."""
+    def bind(self, req_ids) -> None:
+        """This step's batch order (vLLM's ``input_batch.req_ids``); rows of requests no longer in
+        the batch are released (the batch holds at most ``max_num_seqs`` requests, so a free slot
+        exists for every new one)."""
         self.req_ids = list(req_ids)
-        for rid in released:
-            row = self.rows.pop(rid, None)
-            if row is not None:
-                self.free.append(row.slot)
+        current = set(self.req_ids)
+        for rid in [r for r in self.rows if r not in current]:
+            self.free.append(self.rows.pop(rid).slot)
 
     def load_model(self, *args) -> None:  # vLLM calls this with the target; the draft is ours
         pass
@@ -95,7 +96,7 @@ class StreeProposer:
 
 
 def patch_runner() -> None:
-    """Give :class:`StreeProposer` vLLM's request ids and release events each step."""
+    """Give :class:`StreeProposer` vLLM's request ids (in batch order) each step."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner.propose_draft_token_ids
@@ -104,8 +105,7 @@ def patch_runner() -> None:
 
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         if isinstance(getattr(self, "drafter", None), StreeProposer):
-            released = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-            self.drafter.bind(self.input_batch.req_ids, released)
+            self.drafter.bind(self.input_batch.req_ids)
         return original(self, scheduler_output, *args, **kwargs)
 
     propose_draft_token_ids._stree = True

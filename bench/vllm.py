@@ -1,0 +1,131 @@
+"""Decoding inside vLLM on the shipped pair: vLLM's own decoding, stree's chain, vLLM's ngram.
+
+    scripts/venv-vllm python bench/vllm.py --prompts humaneval mtbench --limit 8 --max-new-tokens 128
+
+Per prompt set, temperature and batch size (1: one request at a time; 4: four concurrent requests),
+each method runs in its own engine (a child process, as vLLM needs; start-up is not timed), after
+one warm-up request: tokens/s (new tokens over wall time of the timed requests), tau (tokens per
+target call: 1 + accepted / drafts, from vLLM's counters) and mean per-request latency. At T = 0 each
+method's tokens are compared with vLLM's own decoding ("exact"). Methods run one after another in
+the same process tree, so compare them within one run; run it on a quiet machine. Results go to
+``bench/results/vllm_<device>_<date>.{csv,json}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = {
+    "ar": None,
+    "stree-chain": {"method": "stree", "model": "{draft}", "tree": "chain:4"},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+}
+MARK = "BENCH-RESULT "
+
+
+def _engine(args) -> None:
+    """Child: one engine, every (temperature, batch) cell of one method."""
+    # this file is named vllm.py: take its folder off the path so that `vllm` is the package
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(args.child)
+    llm = LLM(model=spec["target"], dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
+              seed=0, kv_cache_memory_bytes=1 << 29, disable_log_stats=False,
+              speculative_config=spec["speculative_config"])
+
+    def counters():
+        return {m.name: m.value for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+
+    llm.generate(spec["prompts"][:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
+    cells = []
+    for temperature in spec["temperatures"]:
+        params = SamplingParams(temperature=temperature, max_tokens=spec["max_new_tokens"], seed=0)
+        for batch in spec["batches"]:
+            before = counters()
+            tokens, latencies, start = [], [], time.perf_counter()
+            for i in range(0, len(spec["prompts"]), batch):
+                t0 = time.perf_counter()
+                outs = llm.generate(spec["prompts"][i:i + batch], params, use_tqdm=False)
+                latencies += [time.perf_counter() - t0] * len(outs)
+                tokens += [list(o.outputs[0].token_ids) for o in outs]
+            wall = time.perf_counter() - start
+            after = counters()
+            drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+            accepted = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
+                        - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+            cells.append(dict(temperature=temperature, batch=batch, new_tokens=sum(map(len, tokens)),
+                              wall_s=wall, tokens_per_s=sum(map(len, tokens)) / wall,
+                              tau=1 + accepted / drafts if drafts else 1.0,
+                              latency_s=sum(latencies) / len(latencies), tokens=tokens))
+    print(MARK + json.dumps(cells), flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="models/stree-tiny/target")
+    parser.add_argument("--draft", default="models/stree-tiny/draft")
+    parser.add_argument("--prompts", nargs="+", default=["humaneval", "mtbench"])
+    parser.add_argument("--limit", type=int, default=8, help="prompts per set (a multiple of 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _engine(args)
+        return 0
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import metadata, result_stem, write_rows
+    from stree.prompts import load_prompts
+
+    meta = metadata("cpu")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for name in args.prompts:
+        prompts = load_prompts(name, args.limit)
+        reference = None
+        for method in args.methods:
+            spec_config = METHODS[method] and json.loads(json.dumps(METHODS[method]).replace("{draft}", args.draft))
+            child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
+                         temperatures=args.temperatures, batches=args.batches, max_new_tokens=args.max_new_tokens)
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                sys.stderr.write(proc.stderr[-20000:])
+                return proc.returncode
+            cells = json.loads([line for line in proc.stdout.splitlines() if line.startswith(MARK)][-1][len(MARK):])
+            if method == "ar":
+                reference = {(c["temperature"], c["batch"]): c["tokens"] for c in cells}
+            for c in cells:
+                same = reference and (c["temperature"] == 0) and c["tokens"] == reference.get((0.0, c["batch"]))
+                base = next((r for r in rows if r["prompts"] == name and r["method"] == "ar"
+                             and r["temperature"] == c["temperature"] and r["batch"] == c["batch"]), None)
+                row = dict(meta, prompts=name, method=method, temperature=c["temperature"], batch=c["batch"],
+                           new_tokens=c["new_tokens"], tokens_per_s=round(c["tokens_per_s"], 1),
+                           speedup=round(c["tokens_per_s"] / base["tokens_per_s"], 3) if base else 1.0,
+                           tau=round(c["tau"], 2), latency_s=round(c["latency_s"], 3),
+                           exact=(bool(same) if c["temperature"] == 0 else None))
+                rows.append(row)
+                print(f"{name:10s} {method:12s} T={c['temperature']:g} batch={c['batch']} "
+                      f"{row['tokens_per_s']:7.1f} tok/s {row['speedup']:5.2f}x tau {row['tau']:.2f} "
+                      f"latency {row['latency_s']:.2f} s exact={row['exact']}", flush=True)
+    paths = write_rows(rows, result_stem(args.out, "vllm", meta))
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
