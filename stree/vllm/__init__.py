@@ -6,8 +6,11 @@ process before the engine reads its configuration and:
 - refuses any vLLM but :data:`SUPPORTED_VLLM` with one error naming the supported version (it
   reaches into vLLM's internals, which move between releases);
 - registers MambaInLlama hybrids (``config.json`` + ``mamba_config.json``, saved as
-  ``LlamaForCausalLM``) as a vLLM model, so that such a checkpoint directory, the shipped
-  ``models/stree-tiny`` pair among them, runs in vLLM as it is.
+  ``LlamaForCausalLM``) as a vLLM model (:mod:`.mambainllama`), so that such a checkpoint
+  directory, the shipped ``models/stree-tiny`` pair among them, runs in vLLM as it is;
+- teaches vLLM's speculative config the ``"stree"`` method (:mod:`.speculative`, :mod:`.proposer`);
+- fixes vLLM's own Mamba speculation where 0.32 gets it wrong (:mod:`.accepted_counts`, and on CPU
+  :mod:`.cpu_spec`).
 
 Nothing here imports vLLM at package import time: ``import stree`` works without it.
 """
