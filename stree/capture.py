@@ -6,6 +6,12 @@ before them, and with ``static`` steps attention reads the whole ``max_seqlen`` 
 the mask (per-row lengths stay on the device), so a template has fixed shapes and the step has no
 host synchronisation. One graph is compiled per model and shape: the verify tree, and each
 level width of the draft.
+
+Inductor compiles with *freezing*: the weights are constants of the graph, so on a CPU its linear
+layers run on weights packed once for MKL (what :func:`stree.prepack_linears` does for eager
+code, which steps aside inside a compiled graph) and the rest of the step is fused around them.
+A compiled step therefore sees the weights as they were when it was compiled: load or change
+weights before the first compiled call (steps are kept on the model).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import torch
 from stree.patch import Steps, level_step, tree_step
 
 BACKEND = "inductor"  # torch.compile's backend for the steps
+FREEZING = {"freezing": True}  # inductor config: weights as graph constants (see above)
 
 
 def unavailable() -> str | None:
@@ -40,14 +47,27 @@ def compiled_steps(model) -> Steps:
         # one graph per model and shape (verify tree, each draft level width): the shared step
         # functions must not fall back to eager after dynamo's default of 8
         dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
-        steps = Steps(tree=_Fallback(_compile(tree_step), tree_step),
-                      level=_Fallback(_compile(level_step), level_step), static=True)
+        steps = Steps(tree=Fallback(compile_step(tree_step), tree_step),
+                      level=Fallback(compile_step(level_step), level_step), static=True)
         model._stree_compiled = steps
     return steps
 
 
-def _compile(fn):
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
+def compile_step(fn):
+    """``fn`` compiled as every stree step is: one full graph per input shape, frozen weights.
+
+    Freezing is inductor's global config, which dynamo reads while it traces (it turns the
+    weights into graph attributes then), so it is set around every call, not passed as a
+    compile option, and nothing else the user compiles sees it."""
+    import torch._inductor.config as inductor_config
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
+
+    def frozen(*args):
+        with inductor_config.patch(FREEZING):
+            return compiled(*args)
+
+    return frozen
 
 
 @contextmanager
@@ -72,7 +92,7 @@ def compiled(*models):
             m._stree_steps = b
 
 
-class _Fallback:
+class Fallback:
     """A compiled step that runs ``eager`` (same static shapes) from the first time its backend
     fails to compile (e.g. no C++ compiler for the CPU backend), after one RuntimeWarning."""
 

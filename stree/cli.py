@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint layout (auto: transformers if config.json names a supported class, "
                         "hybrid if mamba_config.json exists, else mamba)")
     g.add_argument("--compile", action="store_true",
-                   help="run the verify step and draft levels compiled (torch.compile; static trees, "
-                        "methods tree, chain, ar-tree)")
+                   help="run the verify step and draft levels compiled (torch.compile with frozen "
+                        "weights; static trees, methods tree, chain, ar-tree), or with --method ar "
+                        "the model's own step on a static cache (MambaInLlama checkpoints)")
     g.add_argument("--no-prepack", action="store_true",
                    help="CPU fp32: keep PyTorch's plain linear layers instead of prepacked weights "
                         "(stree.prepack_linears; both the model's own decoding and stree use them)")

@@ -42,7 +42,7 @@ from stree.tree import TokenTree
 from stree.verify import default_verifier, get_verifier
 
 METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
-COMPILED_METHODS = ("tree", "chain", "ar-tree")
+COMPILED_METHODS = ("tree", "chain", "ar-tree", "ar")
 
 
 def default_drafter(method: str, device: torch.device | str | None = None) -> str:
@@ -102,12 +102,13 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             multiple of 512 (so that compiled steps share shapes across calls), at most the
             models' context limit. Attention K/V grow on demand up to it.
         compile: run the target's verify step and the draft levels compiled
-            (``torch.compile(fullgraph=True)``, see :mod:`stree.capture`; attention then reads
-            the cache's whole K/V capacity under its mask): one graph per model, template shape
-            and capacity (capacities double from 512, so a run sees a few), compiled on first
-            use and kept on the model. Static-shape drafters and
-            methods "tree", "chain", "ar-tree" only. Where torch.compile is unavailable: a
-            RuntimeWarning and eager steps.
+            (``torch.compile(fullgraph=True)`` with frozen weights, see :mod:`stree.capture`;
+            attention then reads the cache's whole K/V capacity under its mask): one graph per
+            model, template shape and capacity (capacities double from 512, so a run sees a
+            few), compiled on first use and kept on the model. Static-shape drafters and
+            methods "tree", "chain", "ar-tree"; with "ar", the model's own decoding step
+            compiled on a static cache (``stree.hybrid`` models; :mod:`stree.native`). Where
+            torch.compile is unavailable: a RuntimeWarning and eager steps.
     Raises:
         TypeError: non-integer ``input_ids``, ``eos_token_id`` or ``pad_token_id``.
         ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
@@ -151,7 +152,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if method == "ar":  # the model's own decoding: no tree, drafter or verifier
         stats.drafter = stats.verifier = ""
         new = native.generate(target, prompts, max_new_tokens, sampling, eos, generator, streamer,
-                              stats, device)
+                              stats, device, compile)
         return _finish(prompts, new, stats, start, eos, pad_token_id)
     b = len(prompts)
     side = (_UnrolledTarget(target, b, drafter.max_leaves, seqlen) if method == "unrolled"

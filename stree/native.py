@@ -18,18 +18,26 @@ model family decodes with its own code at its best:
   -> ``_update_model_kwargs_for_generation``, as ``generate``'s ``_sample`` loop runs them.
 
 A family plugs in with :func:`register`: a predicate on the model and a factory for a
-:class:`NativeSession` (prefill once, then one token per call). The loop, sampling, stop ids,
-streaming and statistics are shared, so rows of every method are comparable: ``target_calls``
-counts ``step`` calls, ``tau == 1``, ``verify_s`` is the time in ``step`` and sampling.
+:class:`NativeSession` (prefill once, then one token per call), and optionally a factory for its
+decoding compiled (``compile=True``): for ``stree.hybrid`` its ``step`` on a static cache
+(``step_at``: the K/V span fixed, positions as tensors, as gpt-fast and transformers'
+static-cache compile run) through the same ``torch.compile`` settings as stree's compiled steps
+(:mod:`stree.capture`: one full graph, frozen weights, so packed GEMMs on a CPU). The loop,
+sampling, stop ids, streaming and statistics are shared, so rows of every method are comparable:
+``target_calls`` counts ``step`` calls, ``tau == 1``, ``verify_s`` is the time in ``step`` and
+sampling.
 """
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
+from stree.cache import grown_capacity
 from stree.stats import GenerationStats, timed
 from stree.sampling import SamplingConfig, sample
 
@@ -46,19 +54,27 @@ class NativeSession(Protocol):
 
 # (model) -> bool, (model, batch_size, prompt_len, max_seqlen) -> NativeSession
 SessionFactory = Callable[[object, int, int, int], NativeSession]
-_FAMILIES: list[tuple[Callable[[object], bool], SessionFactory]] = []
+_FAMILIES: list[tuple[Callable[[object], bool], SessionFactory, SessionFactory | None]] = []
 
 
-def register(matches: Callable[[object], bool], factory: SessionFactory) -> None:
-    """Teach :func:`generate` a model family's own decoding (later registrations win)."""
-    _FAMILIES.insert(0, (matches, factory))
+def register(matches: Callable[[object], bool], factory: SessionFactory,
+             compiled: SessionFactory | None = None) -> None:
+    """Teach :func:`generate` a model family's own decoding, and with ``compiled`` that decoding
+    compiled (later registrations win)."""
+    _FAMILIES.insert(0, (matches, factory, compiled))
 
 
-def session_factory(model) -> SessionFactory:
-    """The registered factory for ``model``; TypeError naming the model if there is none."""
-    for matches, factory in _FAMILIES:
+def session_factory(model, compile: bool = False) -> SessionFactory:
+    """The registered factory for ``model`` (its compiled one with ``compile``); TypeError naming
+    the model if there is none, ValueError if it has no compiled form."""
+    for matches, factory, compiled in _FAMILIES:
         if matches(model):
-            return factory
+            if compile and compiled is None:
+                raise ValueError(f"compile=True with method 'ar': {type(model).__name__}'s own "
+                                 "decoding has no compiled form here (stree.hybrid's has); run it "
+                                 "eagerly, or compile stree's own path (methods 'tree', 'chain', "
+                                 "'ar-tree')")
+            return compiled if compile else factory
     raise TypeError(f"no native decoding for {type(model).__name__}: method 'ar' runs the model's "
                     "own decoding (stree.hybrid, mamba_ssm MambaLMHeadModel and transformers' "
                     "Mamba2 family are registered); method 'ar-tree' runs stree's 1-node tree path "
@@ -67,13 +83,19 @@ def session_factory(model) -> SessionFactory:
 
 def generate(model, prompts: list[Tensor], max_new_tokens: int, sampling: SamplingConfig,
              eos: set[int], generator: torch.Generator | None, streamer, stats: GenerationStats,
-             device: torch.device) -> list[list[int]]:
-    """Decode every prompt (1-D tensors) with the model's own code; returns each row's new tokens.
+             device: torch.device, compile: bool = False) -> list[list[int]]:
+    """Decode every prompt (1-D tensors) with the model's own code (``compile``: its compiled
+    form, see :func:`register`); returns each row's new tokens.
 
     Equal-length prompts decode as one batch; ragged ones row by row. ``stats`` is filled as for
     the other methods (first token from the prefill, one step per later token).
     """
-    factory = session_factory(model)
+    from stree import capture  # stree.patch imports stree.hf, which registers with this module
+
+    factory = session_factory(model, compile)
+    if compile and (reason := capture.unavailable()) is not None:
+        warnings.warn(f"compile=True: {reason}; running eagerly", RuntimeWarning, stacklevel=3)
+        factory = session_factory(model)
     lengths = {len(p) for p in prompts}
     groups = [list(range(len(prompts)))] if len(lengths) == 1 else [[i] for i in range(len(prompts))]
     new: list[list[int]] = [[] for _ in prompts]
@@ -129,6 +151,28 @@ class _HybridSession:
 
     def step(self, tokens: Tensor) -> Tensor:
         return self.model.step(tokens[:, None], self.cache)[:, -1]
+
+
+class _CompiledHybridSession(_HybridSession):
+    """stree.hybrid's own decoding compiled: the prefill as in :class:`_HybridSession`, each step
+    ``step_at`` through :func:`stree.capture.compile_step` (built once per model). The cache holds
+    ``grown_capacity`` positions (512 doubling), so the prompts of a run share a graph or two."""
+
+    def __init__(self, model, batch_size: int, prompt_len: int, max_seqlen: int):
+        from stree import capture
+
+        super().__init__(model, batch_size, prompt_len, grown_capacity(max_seqlen, sys.maxsize))
+        step = getattr(model, "_stree_compiled_step_at", None)
+        if step is None:
+            step = model._stree_compiled_step_at = capture.Fallback(
+                capture.compile_step(model.step_at), model.step_at)
+        self.step_at = step
+
+    def step(self, tokens: Tensor) -> Tensor:
+        position = torch.full_like(tokens, self.cache.seqlen)
+        logits = self.step_at(tokens[:, None], self.cache, position)
+        self.cache.seqlen += 1
+        return logits[:, -1]
 
 
 class _MambaLMSession:
@@ -189,4 +233,4 @@ def _is_mamba_lm(model) -> bool:
 
 
 register(_is_mamba_lm, _MambaLMSession)
-register(_is_hybrid, _HybridSession)
+register(_is_hybrid, _HybridSession, _CompiledHybridSession)

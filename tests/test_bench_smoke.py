@@ -121,13 +121,14 @@ def test_method_specs():
                                                                   "dynatree:6x2:16")
     assert e2e.Method.parse("tree:static:2,2+compile") == e2e.Method(
         "tree:static:2,2+compile", "tree", "static:2,2", compile=True)
-    for bad in ("ar@greedy", "tree", "chain@sps", "foo:1", "ar+compile", "tree:dyspec:8+compile"):
+    assert e2e.Method.parse("ar+compile") == e2e.Method("ar+compile", "ar", None, compile=True)
+    for bad in ("ar@greedy", "tree", "chain@sps", "foo:1", "tree:dyspec:8+compile"):
         with pytest.raises(ValueError):
             e2e.Method.parse(bad)
     cfg = e2e.parse_args(["--models", "m", "--methods", "ar", "tree:static:2,2", "tree:dyspec:8",
                           "--compile"])
     assert [m.label for m in cfg.methods] == ["ar", "tree:static:2,2", "tree:dyspec:8",
-                                              "tree:static:2,2+compile"]
+                                              "ar+compile", "tree:static:2,2+compile"]
 
 
 def test_first_mismatch_names_prompt_method_and_position():

@@ -30,13 +30,17 @@ def _prefilled(model):
 
 
 def test_compiled_verify_step_matches_eager():
-    """The default backend (inductor: generated C++ on the CPU), one graph: the verify step."""
+    """The default backend (inductor: generated C++ on the CPU), one graph: the verify step, its
+    weights frozen so that inductor packs its linear layers' weights."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     model = _model()
     tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
     eager = model.tree_forward(tree, _prefilled(model))
     cache = _prefilled(model)
     steps = capture.compiled_steps(model)
+    counters.clear()
     with capture.compiled(model):
         assert model._stree_steps is steps and steps.static
         compiled = model.tree_forward(tree, cache)
@@ -45,6 +49,8 @@ def test_compiled_verify_step_matches_eager():
     # fullgraph=True raises on a graph break, so this was one graph; and it really ran compiled
     # (not eagerly after a backend failure)
     assert steps.tree.fn is not tree_step
+    if torch.backends.mkldnn.is_available():  # frozen weights: packed GEMMs (what eager prepacks)
+        assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
 
 
 def test_compiled_draft_levels_match_eager(monkeypatch):
@@ -117,8 +123,48 @@ def test_compile_refuses_dynamic_drafters():
     with pytest.raises(ValueError, match="compile=True needs a fixed tree template"):
         stree.generate(_model(), _model(), torch.tensor([[1, 2]]), 4, drafter="dyspec:8",
                        compile=True)
-    with pytest.raises(ValueError, match="compile=True needs a fixed tree template"):
-        stree.generate(_model(), None, torch.tensor([[1, 2]]), 4, method="ar", compile=True)
+
+
+def test_static_step_equals_step():
+    """The hybrid's static-shape step (``step_at``: K/V written at a position tensor, attention
+    over the whole capacity under a mask), eager, against its own ``step``, token by token on
+    two rows past the prefill."""
+    torch.manual_seed(3)
+    model = make_hybrid((1,), seed=5)
+    prompt, tokens = torch.randint(0, VOCAB, (2, 4)), torch.randint(0, VOCAB, (2, 6))
+    caches = [model.allocate_inference_cache(2, 16) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(prompt, cache)
+        for j in range(tokens.shape[1]):
+            ids = tokens[:, j:j + 1]
+            expected = model.step(ids, caches[0])
+            got = model.step_at(ids, caches[1], torch.full((2,), caches[1].seqlen))
+            caches[1].seqlen += 1
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_compiled_ar_equals_eager(monkeypatch):
+    """``method="ar", compile=True``: the hybrid's own step compiled on a static cache emits the
+    eager tokens, greedy and sampled with one seed, and really ran compiled; a model whose own
+    decoding has no compiled form is refused."""
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    torch.manual_seed(4)
+    model, prompt = stree.patch(make_hybrid((1,), seed=9)), torch.randint(0, VOCAB, (1, 5))
+    for temperature in (0.0, 1.0):
+        kw = dict(max_new_tokens=10, method="ar", temperature=temperature)
+        eager = stree.generate(model, None, prompt, generator=torch.Generator().manual_seed(0), **kw)
+        compiled = stree.generate(model, None, prompt, generator=torch.Generator().manual_seed(0),
+                                  compile=True, **kw)
+        assert compiled.sequences.tolist() == eager.sequences.tolist()
+    step = model._stree_compiled_step_at
+    assert step.fn is not step.eager  # it ran compiled, with no eager fallback
+
+    from tests.test_model_mamba2 import make_model
+
+    with pytest.raises(ValueError, match="has no compiled form"):
+        stree.generate(stree.patch(make_model(n_layer=2)), None, prompt, 4, method="ar",
+                       compile=True)
 
 
 def test_mamba_ssm_steps_compile_without_graph_break(monkeypatch):

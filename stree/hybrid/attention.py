@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stree.layers.sdpa import causal_after
+from stree.layers.sdpa import attention, causal_after, fold_mask
 
 from .cache import AttentionLayerCache
 from .rotary import RotaryEmbedding, rotate, signed_tables
@@ -72,6 +72,25 @@ class LlamaAttention(nn.Module):
         cache.v[:, :, start:start + l] = v
         k, v = cache.keys(start + l)
         return self.o_proj(causal_after(q, k, v, self.softmax_scale, start))
+
+    def step_at(self, hidden_states: torch.Tensor, position: torch.Tensor,
+                cache: AttentionLayerCache) -> torch.Tensor:
+        """One token per row at ``position (b,)`` (int64 tensor): hidden_states (b, 1, d) -> (b, 1, d).
+
+        The static-shape form of ``forward`` with a cache (gpt-fast's and transformers'
+        static-cache step): K/V are written at ``position`` and the query reads the cache's whole
+        capacity, later positions masked, so no shape depends on the length and
+        ``torch.compile`` keeps one graph for a whole generation.
+        """
+        q, k, v = self.project_qkv(hidden_states)
+        q, k = self.apply_rotary(q, k, position[:, None])
+        rows = torch.arange(q.shape[0], device=q.device)
+        cache.k[rows, :, position] = k[:, 0]
+        cache.v[rows, :, position] = v[:, 0]
+        keys, values = cache.keys(cache.kv.shape[3])
+        visible = torch.arange(keys.shape[2], device=q.device) <= position[:, None]  # (b, capacity)
+        mask = fold_mask(visible[:, None, None, :], self.num_heads // self.num_key_value_heads)
+        return self.o_proj(attention(q.transpose(1, 2), keys, values, self.softmax_scale, mask=mask))
 
 
 _QKV_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight")

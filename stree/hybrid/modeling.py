@@ -146,6 +146,18 @@ class MambaInLlamaForCausalLM(nn.Module):
             raise ValueError(f"step takes one token per row, got input_ids of shape {tuple(input_ids.shape)}")
         return self.lm_head(self._run(input_ids, cache, recurrent=True))
 
+    def step_at(self, input_ids: torch.Tensor, cache: InferenceCache, position: torch.Tensor) -> torch.Tensor:
+        """``step`` with static shapes, for ``torch.compile``: input_ids (b, 1) at ``position (b,)``
+        (int64 tensor, the tokens' positions) -> logits (b, 1, v). Attention reads the cache's
+        whole ``max_seqlen`` under a mask (:meth:`LlamaAttention.step_at`); the caller advances
+        ``cache.seqlen``, which this method never reads (a Python int would fix a graph to it)."""
+        def mix(i, layer, h):
+            if layer.is_attention:
+                return layer.self_attn.step_at(h, position, cache.layers[i])
+            return layer.mamba.step(h, cache.layers[i])
+
+        return self.lm_head(self.model(input_ids, mix))
+
     def _run(self, input_ids: torch.Tensor, cache: InferenceCache | None, recurrent: bool) -> torch.Tensor:
         """Final hidden states (b, l, d); ``recurrent``: Mamba layers by the single-token recurrence."""
         b, l = input_ids.shape

@@ -8,8 +8,16 @@ draft tokens) through the draft from that state, then drafts a chain from the ne
 (the root, which neither model has run). Rows belong to the requests of the current batch: a
 request that left it (finished, aborted or preempted) gives its slot back, and one whose history
 no longer extends what its slot holds (preempted and recomputed, or an id reused) is
-re-prefilled. :func:`patch_runner` passes vLLM's request ids in, since vLLM's custom-proposer call
-does not carry them.
+re-prefilled. :func:`patch_runner` passes vLLM's request ids and sampling parameters in, since
+vLLM's custom-proposer call does not carry them.
+
+A greedy request gets the draft's argmax chain. A sampled one gets a chain drawn from the draft's
+distribution under the request's own temperature, top-k and top-p, and the distributions each
+token was drawn from are handed to vLLM's rejection sampler (the runner's ``_draft_probs``, which
+vLLM's custom-proposer path leaves empty): it then verifies by speculative sampling (SpS:
+accept x with probability min(1, p(x) / q(x)), else draw from (p - q)+), lossless for any q the
+tokens were really drawn from, instead of the one-hot rule, which accepts x only with
+probability p(x).
 """
 from __future__ import annotations
 
@@ -19,13 +27,28 @@ from stree.sampling import SamplingConfig
 from stree.vllm.speculative import DraftSpec, chain_length, load_draft
 
 GREEDY = SamplingConfig(temperature=0.0)
+_SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature is greedy
 
 
 class _Row:
-    """One request's slot and the history its draft state has committed."""
+    """One request's slot, the history its draft state has committed, and the generator its
+    draft tokens are drawn with (seeded from the request's seed, if it has one)."""
 
-    def __init__(self, slot: int, cache):
+    def __init__(self, slot: int, cache, seed: int | None):
         self.slot, self.cache, self.history = slot, cache, []
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+
+def sampling_of(params) -> SamplingConfig:
+    """A vLLM ``SamplingParams`` as stree's :class:`SamplingConfig` (greedy below vLLM's epsilon;
+    vLLM's top-k 0 or -1 and top-p 1 mean off, as stree's 0 and 1)."""
+    if params is None or params.temperature < _SAMPLING_EPS:
+        return GREEDY
+    return SamplingConfig(params.temperature, max(params.top_k, 0), params.top_p)
 
 
 class StreeProposer:
@@ -41,22 +64,35 @@ class StreeProposer:
             raise ValueError(f"num_speculative_tokens={vllm_config.speculative_config.num_speculative_tokens} "
                              f"disagrees with tree {spec.tree!r}")
         self.model = load_draft(spec.model)
-        self.drafter, _ = resolve("chain", spec.tree, None, GREEDY)
+        # the chain drafter for greedy requests (argmax) and for sampled ones (a drawn chain)
+        self.drafters = {greedy: resolve("chain", spec.tree, None, sampling)[0] for greedy, sampling
+                         in ((True, GREEDY), (False, SamplingConfig(temperature=1.0)))}
         slots = vllm_config.scheduler_config.max_num_seqs
         self.pool = self.model.allocate_state_pool(slots, vllm_config.model_config.max_model_len + self.k + 1)
         self.free = list(range(slots))
         self.rows: dict[str, _Row] = {}
         self.req_ids: list[str] = []
+        self.params: list = []  # this step's SamplingParams, in batch order
+        self.last_probs: torch.Tensor | None = None  # (num_reqs, K, vocab) of the last propose
 
     # -- lifecycle (from patch_runner) ------------------------------------------------------------
-    def bind(self, req_ids) -> None:
-        """This step's batch order (vLLM's ``input_batch.req_ids``); rows of requests no longer in
-        the batch are released (the batch holds at most ``max_num_seqs`` requests, so a free slot
-        exists for every new one)."""
+    def bind(self, req_ids, params=None) -> None:
+        """This step's batch order (vLLM's ``input_batch.req_ids``) and each request's
+        ``SamplingParams`` (None: greedy); rows of requests no longer in the batch are released
+        (the batch holds at most ``max_num_seqs`` requests, so a free slot exists for every new
+        one)."""
         self.req_ids = list(req_ids)
+        self.params = list(params) if params is not None else [None] * len(self.req_ids)
         current = set(self.req_ids)
         for rid in [r for r in self.rows if r not in current]:
             self.free.append(self.rows.pop(rid).slot)
+
+    def take_probs(self) -> torch.Tensor | None:
+        """The draft distributions of the last ``propose``: ``(num_reqs, K, vocab)`` fp32, row
+        ``[i, j]`` the distribution request ``i``'s draft token ``j`` was drawn from (zeros for
+        greedy requests and requests that drafted nothing), or None if no request sampled."""
+        probs, self.last_probs = self.last_probs, None
+        return probs
 
     def load_model(self, *args) -> None:  # vLLM calls this with the target; the draft is ours
         pass
@@ -67,36 +103,53 @@ class StreeProposer:
         """``sampled_token_ids[i]``: tokens request ``i`` gained this step (empty while its prompt
         is still being prefilled); ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` its whole
         sequence. Returns ``K`` draft tokens per request ([] where nothing is drafted)."""
-        out = []
+        out, probs = [], {}
         for i, new in enumerate(sampled_token_ids):
             if len(new) == 0 or i >= len(self.req_ids):
                 out.append([])
                 continue
             history = token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
-            out.append(self._draft(self.req_ids[i], history))
+            tokens, q = self._draft(i, history)
+            out.append(tokens)
+            if q is not None:
+                probs[i] = q
+        self.last_probs = None
+        if probs:
+            vocab = next(iter(probs.values())).shape[-1]
+            self.last_probs = torch.zeros(len(sampled_token_ids), self.k, vocab)
+            for i, q in probs.items():
+                self.last_probs[i] = q
         return out
 
-    def _draft(self, rid: str, history: list[int]) -> list[int]:
+    def _draft(self, i: int, history: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """Request ``i``'s K draft tokens and, if sampled, the ``(K, vocab)`` distributions they
+        were drawn from."""
+        rid, params = self.req_ids[i], self.params[i]
         row = self.rows.get(rid)
         committed = history[:-1]
         if row is None or row.history != committed[:len(row.history)]:
-            row = self._reset(rid, row)
+            row = self._reset(rid, row, getattr(params, "seed", None))
         todo = committed[len(row.history):]
         if todo:
             self.model.prefill(torch.tensor([todo]), row.cache)
             row.history = committed
-        d = self.drafter.draft(self.model, row.cache, torch.tensor([history[-1]]), GREEDY)
-        return d.tree.tokens[0, 1:].tolist()
+        sampling = sampling_of(params)
+        d = self.drafters[sampling.is_greedy].draft(self.model, row.cache, torch.tensor([history[-1]]),
+                                                    sampling, row.generator)
+        q = None if sampling.is_greedy else d.q[0, :self.k].float()  # node j's children: token j + 1
+        return d.tree.tokens[0, 1:].tolist(), q
 
-    def _reset(self, rid: str, row: _Row | None) -> _Row:
+    def _reset(self, rid: str, row: _Row | None, seed: int | None) -> _Row:
         slot = row.slot if row is not None else self.free.pop()
-        row = _Row(slot, self.pool.cache([slot]))  # zeroes the slot's state
+        row = _Row(slot, self.pool.cache([slot]), seed)  # zeroes the slot's state
         self.rows[rid] = row
         return row
 
 
 def patch_runner() -> None:
-    """Give :class:`StreeProposer` vLLM's request ids (in batch order) each step."""
+    """Give :class:`StreeProposer` vLLM's request ids (in batch order) and sampling parameters
+    each step, and hand its draft distributions to vLLM's rejection sampler for the next step
+    (``_draft_probs``, keyed by request id, which the runner fills only for its own drafters)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner.propose_draft_token_ids
@@ -104,9 +157,17 @@ def patch_runner() -> None:
         return
 
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        if isinstance(getattr(self, "drafter", None), StreeProposer):
-            self.drafter.bind(self.input_batch.req_ids)
-        return original(self, scheduler_output, *args, **kwargs)
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, StreeProposer):
+            return original(self, scheduler_output, *args, **kwargs)
+        req_ids = list(self.input_batch.req_ids)
+        drafter.bind(req_ids, [getattr(self.requests.get(r), "sampling_params", None) for r in req_ids])
+        out = original(self, scheduler_output, *args, **kwargs)
+        probs = drafter.take_probs()
+        if probs is not None:
+            self._draft_probs = probs.to(self.device)
+            self._draft_prob_req_ids = req_ids
+        return out
 
     propose_draft_token_ids._stree = True
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

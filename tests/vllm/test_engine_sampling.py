@@ -86,6 +86,22 @@ def test_vllm_sampling_matches_exact_distribution(pair):
     assert _pvalue(_counts(_sample(target)["tokens"]), p_target) > ALPHA
 
 
+def test_stree_verifies_with_the_draft_distributions(pair):
+    """The target's own weights as the draft at T = 1: with the draft's distributions vLLM's
+    rejection sampler accepts a token with probability min(1, p/q) = 1 (up to rounding between
+    vLLM's and stree's kernels); the one-hot rule, without them, would accept it only with
+    probability p(x), about E[p] on this peaked vocabulary (computed below). Exact either way."""
+    target, _, p_target, _ = pair
+    out = _sample(target, {"method": "stree", "model": target, "tree": "chain:3"})
+    spec = out["spec"]
+    acceptance = spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_draft_tokens"]
+    with torch.no_grad():  # E_x~p [p(x)] at the first new token: the one-hot rule's acceptance
+        p_first = _model(0)(torch.tensor([PROMPT]))[0, -1].float().softmax(-1)
+    one_hot = (p_first * p_first).sum().item()
+    assert one_hot < 0.9 and acceptance > 0.97
+    assert _pvalue(_counts(out["tokens"]), p_target) > ALPHA
+
+
 @pytest.mark.parametrize("method", ["stree", "ngram"])
 def test_speculative_sampling_matches_exact_distribution(pair, method):
     target, draft, p_target, _ = pair
