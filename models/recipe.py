@@ -8,7 +8,7 @@ on the fly, plus a little cross-entropy on the data). Both are saved in the publ
 (config.json + mamba_config.json + model.safetensors) with the tokenizer beside each, evaluated after
 loading back (so the card's numbers are those of the shipped weights), and described in a model card.
 
-    python models/recipe.py --out models/stree-tiny                      # CPU: ~105 min on 2 quiet cores
+    python models/recipe.py --out models/stree-tiny                      # CPU: ~100 min on 2 quiet cores
     python models/recipe.py --out /tmp/trial/stree-tiny --budget-minutes 2  # calibration run
     python models/recipe.py --out /tmp/big --device cuda                 # same shapes, big batches, GPU
 
@@ -121,7 +121,7 @@ class RecipeConfig:
     threads: int = 2
 
 
-# Default step counts. On 2 quiet CPU cores the target trains at ~1,270 tokens/s (80 min for
+# Default step counts. On 2 quiet CPU cores the target trains at ~1,300 tokens/s (79 min for
 # 3,000 x 2,048 = 6.1M tokens, 1.9 epochs) and the draft's distillation, which runs the target
 # forward too, at ~2,700 (23 min for 3.7M tokens). The CUDA preset's batches are 8x bigger.
 TARGET_STEPS = 3000
@@ -129,7 +129,7 @@ DRAFT_STEPS = 1800
 
 
 def preset(device: str) -> RecipeConfig:
-    """Default config for a device. The CPU preset: batches of 8 x 256 tokens (about 105 minutes on 2
+    """Default config for a device. The CPU preset: batches of 8 x 256 tokens (about 100 minutes on 2
     quiet cores with the default steps). The CUDA preset trains the same shapes with batches of
     32 x 512."""
     cfg = RecipeConfig(device=device)
@@ -448,10 +448,10 @@ def _n(k: int, word: str) -> str:
 def _rerun_note(c: dict, tr: dict) -> str:
     steps = f"`--target-steps {tr['target']['steps']} --draft-steps {tr['draft']['steps']}`"
     if c["target_train"]["steps"] and c["draft_train"]["steps"]:
-        return (f"Both phases ran a fixed number of steps ({steps}) on a step-based schedule: the same "
+        return (f"Both phases ran a fixed number of steps ({steps}) on a step-based\nschedule: the same "
                 "command and seed repeat this run, whatever else the machine is doing.")
-    return ("Training for a wall-clock budget makes the step count (and the schedule's position at each "
-            f"step) depend on the machine's load. {steps} reruns with this run's step counts on a "
+    return ("Training for a wall-clock budget makes the step count (and the schedule's position at each\n"
+            f"step) depend on the machine's load. {steps} reruns with this run's step\ncounts on a "
             "step-based schedule, which repeats exactly from run to run.")
 
 
