@@ -62,9 +62,10 @@ def compile_step(fn):
     import torch._inductor.config as inductor_config
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
+    freezing = inductor_config.patch(FREEZING)  # reusable: it keeps a stack of prior values
 
     def frozen(*args):
-        with inductor_config.patch(FREEZING):
+        with freezing:
             return compiled(*args)
 
     return frozen

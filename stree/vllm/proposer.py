@@ -27,7 +27,6 @@ from stree.sampling import SamplingConfig
 from stree.vllm.speculative import DraftSpec, chain_length, load_draft
 
 GREEDY = SamplingConfig(temperature=0.0)
-_SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature is greedy
 
 
 class _Row:
@@ -44,9 +43,11 @@ class _Row:
 
 
 def sampling_of(params) -> SamplingConfig:
-    """A vLLM ``SamplingParams`` as stree's :class:`SamplingConfig` (greedy below vLLM's epsilon;
-    vLLM's top-k 0 or -1 and top-p 1 mean off, as stree's 0 and 1)."""
-    if params is None or params.temperature < _SAMPLING_EPS:
+    """A vLLM ``SamplingParams`` as stree's :class:`SamplingConfig`: greedy where vLLM's own
+    ``sampling_type`` says so; vLLM's top-k 0 or -1 and top-p 1 mean off, as stree's 0 and 1."""
+    from vllm.sampling_params import SamplingType
+
+    if params is None or params.sampling_type == SamplingType.GREEDY:
         return GREEDY
     return SamplingConfig(params.temperature, max(params.top_k, 0), params.top_p)
 
