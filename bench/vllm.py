@@ -1,4 +1,4 @@
-"""Decoding inside vLLM on the shipped pair: vLLM's own decoding, stree's chain, vLLM's ngram.
+"""Decoding inside vLLM on the shipped pair: vLLM's own decoding, stree's chain and tree, vLLM's ngram.
 
     scripts/venv-vllm python bench/vllm.py --prompts humaneval mtbench --limit 8 --max-new-tokens 128
 
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = {
     "ar": None,
     "stree-chain": {"method": "stree", "model": "{draft}", "tree": "chain:4"},
+    "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2,2"},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
 }
 MARK = "BENCH-RESULT "

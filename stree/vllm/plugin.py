@@ -70,6 +70,10 @@ def register() -> None:
         patch_cpu_spec_ops()
         patch_cpu_prefix_caching()
         patch_cpu_expand()
+    # tree specs: stree's tree verification inside the engine (wraps the ops patched above)
+    from stree.vllm.trees import patch_trees
+
+    patch_trees()
     model_config.get_config = _route(model_config.get_config)
     _registered = True
 

@@ -18,13 +18,19 @@ vLLM's custom-proposer path leaves empty): it then verifies by speculative sampl
 accept x with probability min(1, p(x) / q(x)), else draw from (p - q)+), lossless for any q the
 tokens were really drawn from, instead of the one-hot rule, which accepts x only with
 probability p(x).
+
+For a tree spec (:mod:`stree.vllm.trees`) the drafted tree's nodes go to vLLM flattened in
+topological order, and the tree itself (with the distributions its children were drawn from and
+the verifier for the request's sampling settings) is kept in ``drafted`` by request id, for
+stree's verification in the next step.
 """
 from __future__ import annotations
 
 import torch
 
 from stree.sampling import SamplingConfig
-from stree.vllm.speculative import DraftSpec, chain_length, load_draft
+from stree.vllm.speculative import DraftSpec, draft_size, is_chain, load_draft
+from stree.vllm.trees import DraftedTree
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -60,14 +66,18 @@ class StreeProposer:
         from stree.generation import resolve
 
         spec = DraftSpec.from_env()
-        self.k = chain_length(spec.tree)
+        self.k = draft_size(spec.tree)
         if vllm_config.speculative_config.num_speculative_tokens != self.k:
             raise ValueError(f"num_speculative_tokens={vllm_config.speculative_config.num_speculative_tokens} "
                              f"disagrees with tree {spec.tree!r}")
+        self.tree_mode = not is_chain(spec.tree)
         self.model = load_draft(spec.model)
-        # the chain drafter for greedy requests (argmax) and for sampled ones (a drawn chain)
-        self.drafters = {greedy: resolve("chain", spec.tree, None, sampling)[0] for greedy, sampling
-                         in ((True, GREEDY), (False, SamplingConfig(temperature=1.0)))}
+        # (drafter, verifier) for greedy requests and for sampled ones: the draft mode, and with it
+        # the lossless verifier, depends only on whether the request samples
+        method = "tree" if self.tree_mode else "chain"
+        self.pairs = {greedy: resolve(method, spec.tree, None, sampling) for greedy, sampling
+                      in ((True, GREEDY), (False, SamplingConfig(temperature=1.0)))}
+        self.drafted: dict[str, DraftedTree] = {}  # tree mode: each request's last tree
         slots = vllm_config.scheduler_config.max_num_seqs
         self.pool = self.model.allocate_state_pool(slots, vllm_config.model_config.max_model_len + self.k + 1)
         self.free = list(range(slots))
@@ -87,6 +97,7 @@ class StreeProposer:
         current = set(self.req_ids)
         for rid in [r for r in self.rows if r not in current]:
             self.free.append(self.rows.pop(rid).slot)
+            self.drafted.pop(rid, None)
 
     def take_probs(self) -> torch.Tensor | None:
         """The draft distributions of the last ``propose``: ``(num_reqs, K, vocab)`` fp32, row
@@ -135,8 +146,12 @@ class StreeProposer:
             self.model.prefill(torch.tensor([todo]), row.cache)
             row.history = committed
         sampling = sampling_of(params)
-        d = self.drafters[sampling.is_greedy].draft(self.model, row.cache, torch.tensor([history[-1]]),
-                                                    sampling, row.generator)
+        drafter, verifier = self.pairs[sampling.is_greedy]
+        d = drafter.draft(self.model, row.cache, torch.tensor([history[-1]]), sampling, row.generator)
+        if self.tree_mode:
+            q = None if d.q is None else d.q.float()
+            self.drafted[rid] = DraftedTree(d.tree, q, d.mode, verifier, sampling)
+            return d.tree.tokens[0, 1:].tolist(), None
         q = None if sampling.is_greedy else d.q[0, :self.k].float()  # node j's children: token j + 1
         return d.tree.tokens[0, 1:].tolist(), q
 

@@ -9,13 +9,12 @@ variable. Everything is checked here, at start-up, before any engine process exi
 loads and patches (Mamba-1 layers and other unsupported layers are refused by stree), its
 vocabulary equals the target's, the tree spec parses.
 
-What runs: ``"tree": "chain:K"``. The draft proposes its own greedy (argmax) chain of K tokens
-and vLLM's rejection sampler verifies it, which is lossless at every temperature for a
-deterministic proposal (it accepts token x with probability p(x) and otherwise samples from p with
-x removed: the output is distributed as p). Exactness of the Mamba layers under speculation on
-CPU comes from :mod:`stree.vllm.cpu_spec` and :mod:`stree.vllm.accepted_counts`. Tree specs are
-refused with a clear error for now: vLLM's scheduler and rejection sampler take chains only, and
-stree's tree verification inside the engine is not wired yet.
+What runs: ``"tree": "chain:K"`` drafts chains that vLLM's own rejection sampler verifies
+(:mod:`stree.vllm.proposer`); any other drafter spec stree parses (static, caterpillar, beam,
+DySpec, DynaTree) drafts trees that stree verifies inside the engine (:mod:`stree.vllm.trees`).
+``num_speculative_tokens`` is the drafter's largest tree less its root. ``"auto"`` is refused: it
+picks its tree from timings of stree's own decoding loop. Exactness of the Mamba layers under
+speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and :mod:`stree.vllm.accepted_counts`.
 """
 from __future__ import annotations
 
@@ -48,16 +47,25 @@ class DraftSpec:
         return cls(**json.loads(raw))
 
 
-def chain_length(tree: str) -> int:
-    """K of a ``chain:K`` spec (parsed by stree's own drafter parser); ValueError otherwise."""
-    from stree.draft import ChainDrafter, parse_drafter
+def draft_size(tree: str) -> int:
+    """The most draft tokens a spec proposes per step (its largest tree less the root), parsed by
+    stree's own drafter parser; ValueError for an unknown spec or ``auto``."""
+    from stree.draft import parse_drafter
+    from stree.draft.auto import AutoDrafter
 
     drafter = parse_drafter(tree)  # ValueError for an unknown spec, naming the known ones
-    if not isinstance(drafter, ChainDrafter):
-        raise ValueError(f"speculative_config['tree']={tree!r}: inside vLLM 0.32 stree drafts chains "
-                         "('chain:K') for now; tree drafts need stree's tree verification in the "
-                         "engine, which is not wired yet (use stree.generate for trees)")
+    if isinstance(drafter, AutoDrafter):
+        raise ValueError(f"speculative_config['tree']={tree!r}: 'auto' chooses its tree from timings of "
+                         "stree's own decoding loop and does not run inside vLLM; name a tree "
+                         "(e.g. 'caterpillar:2,2,2,2') or a chain ('chain:4')")
     return drafter.num_nodes - 1
+
+
+def is_chain(tree: str) -> bool:
+    """Whether a spec drafts chains (verified by vLLM) rather than trees (verified by stree)."""
+    from stree.draft import ChainDrafter, parse_drafter
+
+    return isinstance(parse_drafter(tree), ChainDrafter)
 
 
 def load_draft(directory: str):
@@ -83,7 +91,13 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     if not config.get("model"):
         raise ValueError("speculative_config: method 'stree' needs 'model': the draft checkpoint directory")
     spec = DraftSpec(model=str(config["model"]), tree=str(config.get("tree", DraftSpec.tree)))
-    k = chain_length(spec.tree)
+    k = draft_size(spec.tree)
+    if not is_chain(spec.tree):
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise ValueError(f"speculative_config['tree']={spec.tree!r}: stree verifies trees inside vLLM "
+                             "with vLLM's CPU attention backend only so far; use a chain ('chain:4') here")
     if config.get("num_speculative_tokens") not in (None, k):
         raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
                          f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")

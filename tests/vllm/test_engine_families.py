@@ -66,13 +66,14 @@ def _zamba2():
 
 @pytest.mark.parametrize("build", [_mamba2, _granite, _nemotron_h, _falcon_h1, _zamba2],
                          ids=["mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"])
-def test_stree_chain_equals_vllm_greedy(tmp_path, build):
+def test_stree_chain_and_tree_equal_vllm_greedy(tmp_path, build):
     torch.manual_seed(0)
     build().save_pretrained(tmp_path)
     base = {"model": str(tmp_path), "skip_tokenizer_init": True}
     ref = engine.result(engine.run({"engine": base, "prompts": PROMPTS, "sampling": GREEDY}))
-    spec = {"method": "stree", "model": str(tmp_path), "tree": "chain:4"}
-    out = engine.result(engine.run({"engine": {**base, "speculative_config": spec}, "prompts": PROMPTS,
-                                    "sampling": GREEDY}))
-    assert out["tokens"] == ref["tokens"]
-    assert out["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # it speculated and accepted some
+    for tree in ("chain:4", "caterpillar:2,2,2"):  # verified by vLLM, then by stree in the engine
+        spec = {"method": "stree", "model": str(tmp_path), "tree": tree}
+        out = engine.result(engine.run({"engine": {**base, "speculative_config": spec}, "prompts": PROMPTS,
+                                        "sampling": GREEDY}))
+        assert out["tokens"] == ref["tokens"], tree
+        assert out["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # it speculated and accepted some

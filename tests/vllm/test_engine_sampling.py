@@ -2,7 +2,7 @@
 three new tokens at T = 1, enumerated from the target's own model (stree, plain PyTorch) on a
 4-token vocabulary, checked by a chi-square test that rejects a wrong distribution (the draft's).
 
-vLLM's own non-speculative sampling passes; so do ``method: "stree"`` and vLLM's own ``ngram``,
+vLLM's own non-speculative sampling passes; so do ``method: "stree"`` (chains and trees) and vLLM's own ``ngram``,
 which without the plugin's ``expand_kernel`` fix (stree.vllm.cpu_spec) failed with p = 0.0."""
 import itertools
 
@@ -102,11 +102,15 @@ def test_stree_verifies_with_the_draft_distributions(pair):
     assert _pvalue(_counts(out["tokens"]), p_target) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["stree", "ngram"])
+@pytest.mark.parametrize("method", ["stree", "stree-tree", "ngram"])
 def test_speculative_sampling_matches_exact_distribution(pair, method):
+    """stree's chain (vLLM's rejection sampler, SpS), stree's tree (stree's MSS inside the engine:
+    children drawn without replacement from the draft) and vLLM's ngram."""
     target, draft, p_target, _ = pair
-    config = ({"method": "stree", "model": draft, "tree": "chain:3"} if method == "stree" else
-              {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    config = {"stree": {"method": "stree", "model": draft, "tree": "chain:3"},
+              "stree-tree": {"method": "stree", "model": draft, "tree": "caterpillar:2,2,2"},
+              "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                        "prompt_lookup_min": 1}}[method]
     out = _sample(target, config)
     spec = out["spec"]
     assert 0 < spec["vllm:spec_decode_num_accepted_tokens"] < spec["vllm:spec_decode_num_draft_tokens"]

@@ -55,10 +55,12 @@ def test_vllm_ngram_exact_with_plugin(reference):
     _acceptance(out)
 
 
-def test_continuous_batching_reuses_draft_slots():
-    """Ten requests of different prompt and output lengths through four sequence slots: requests
-    finish at different times, new ones take their place (and their draft state-pool rows), and
-    every request's tokens equal the target's own greedy decoding."""
+@pytest.mark.parametrize("tree", ["chain:4", "caterpillar:2,2,2,2"])
+def test_continuous_batching_reuses_draft_slots(tree):
+    """Ten requests of different prompt and output lengths through four sequence slots, with
+    chains (vLLM verifies) and trees (stree verifies in the engine): requests finish at different
+    times, new ones take their place (their draft state-pool rows, Mamba state slots and KV
+    blocks), and every request's tokens equal the target's own greedy decoding."""
     import torch
 
     import stree
@@ -66,13 +68,13 @@ def test_continuous_batching_reuses_draft_slots():
 
     prompts = [list(range(5 + i, 5 + 3 * i + 2)) for i in range(10)]
     lengths = [8 + 7 * (i % 4) for i in range(10)]
-    model = stree.hybrid.MambaInLlamaForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     proc = engine.run({"engine": {"model": TARGET, "speculative_config": {"method": "stree", "model": SHIPPED_DRAFT,
-                                                                          "tree": "chain:4"}},
+                                                                          "tree": tree}},
                        "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": max(lengths),
                                                         "ignore_eos": True},
                        "max_tokens": lengths})
     out = engine.result(proc)["tokens"]
+    model = stree.hybrid.MambaInLlamaForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     for p, n, got in zip(prompts, lengths, out):
         want = stree.generate(model, None, torch.tensor([p]), n, method="ar").sequences[0, len(p):].tolist()
         assert got == want

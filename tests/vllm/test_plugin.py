@@ -126,7 +126,7 @@ def _with_spec(spec: dict) -> str:
 
 @pytest.mark.parametrize("spec, message", [
     ({"method": "stree", "model": DRAFT, "tree": "caterpillar:x"}, "caterpillar:x"),
-    ({"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2,2"}, "drafts chains"),
+    ({"method": "stree", "model": DRAFT, "tree": "auto"}, "does not run inside vLLM"),
     ({"method": "stree", "model": DRAFT, "tree": "chain:4", "num_speculative_tokens": 3}, "disagrees"),
     ({"method": "stree", "model": DRAFT, "trees": "chain:4"}, "unknown keys"),
     ({"method": "stree"}, "needs 'model'"),

@@ -1,0 +1,446 @@
+"""Token trees inside vLLM 0.32: one tree per request verified in one forward, committed by replay.
+
+vLLM schedules and verifies chains only. For a tree spec (``"tree": "caterpillar:2,2,2,2"``,
+``"static:..."``, ``"beam:..."``, dynamic trees), :class:`~stree.vllm.proposer.StreeProposer`
+hands vLLM each request's drafted tree flattened in topological order (node ``i``'s parent has a
+smaller index) as its draft tokens, so vLLM schedules the request as one query of ``1 + n``
+tokens: the root (the last committed token, which neither model has run) and the ``n`` drafted
+nodes, each with its own KV slot at ``num_computed + i``. The wrappers below make that query a
+tree verification:
+
+1. ``GPUModelRunner._prepare_inputs``: each node's position becomes ``num_computed + depth(i)``
+   (rotary embeddings see the node's place on its own path); the slot mapping, already computed,
+   keeps one KV slot per node. :class:`TreeStep` (this step's trees, keyed by the query's first
+   token index) becomes current.
+2. Attention (vLLM's CPU backend): after vLLM's own kernel, the rows of tree requests are
+   recomputed under the tree mask: committed context plus the node's ancestors
+   (:func:`tree_attention`).
+3. Mamba2 (vLLM's decode ops ``causal_conv1d_update`` / ``selective_state_update``): tree rows run
+   stree's ``tree_conv`` and ``tree_scan`` from the committed state; nothing is written, and the
+   activations the commit needs are kept (:class:`_ConvRow`, :class:`_ScanRow`). The other rows
+   go to vLLM's op with the tree rows masked out (their state index set to vLLM's null block).
+4. ``GPUModelRunner._sample``: stree's verifier on each tree (the lossless rule for the request's
+   sampling settings and the draft's mode) gives the accepted path; the request's output row
+   becomes the path's tokens and the token the target emits after it.
+5. Commit (:meth:`TreeStep.commit`): the K/V of the path's nodes move to positions
+   ``num_computed + 1 .. + a`` (vLLM then counts ``a + 1`` new tokens there), and each Mamba2
+   layer's state is advanced along the path from the kept activations (``ssm_replay``,
+   ``conv_replay``) into the SSM slot and conv offset vLLM reads next step:
+   ``num_accepted_tokens - 1 = a``.
+
+Chains (``"chain:K"``) keep vLLM's own verification (:mod:`stree.vllm.proposer`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from stree.draft_types import Draft
+from stree.kernels.replay import conv_replay, ssm_replay
+from stree.kernels.tree_conv import tree_conv
+from stree.kernels.tree_scan import tree_scan
+from stree.sampling import SamplingConfig
+from stree.tree import TokenTree
+
+
+@dataclass
+class DraftedTree:
+    """What the proposer drafted for one request: the tree (root first), the distributions its
+    children were drawn from (``q``, None when chosen deterministically or greedy), the draft
+    mode, the verifier and the sampling settings it is verified under."""
+
+    tree: TokenTree
+    q: torch.Tensor | None
+    mode: str
+    verifier: object
+    sampling: SamplingConfig
+
+    def prefix(self, m: int) -> "DraftedTree":
+        """The first ``m`` nodes (vLLM may schedule fewer drafts than it was given); a prefix of a
+        topological order is a subtree."""
+        if m == self.tree.num_nodes:
+            return self
+        tree = TokenTree(self.tree.tokens[:, :m], self.tree.parents[:, :m])
+        q = None if self.q is None else self.q[:, :m]
+        return DraftedTree(tree, q, self.mode, self.verifier, self.sampling)
+
+
+@dataclass
+class TreeRow:
+    """One request's tree in this step: batch row, first token index of its query, its drafted
+    tree, the generator vLLM keeps for it (seeded requests), and after verification the accepted
+    path (node indices, root first)."""
+
+    row: int
+    start: int
+    drafted: DraftedTree
+    generator: torch.Generator | None
+    path: list[int] | None = None
+
+
+@dataclass
+class _ConvRow:
+    conv_state: torch.Tensor  # vLLM's (slots, dim, width - 1 + K) conv state, written at commit
+    slot: int
+    window: torch.Tensor  # (dim, width - 1) committed inputs the tree conv started from
+    xbc: torch.Tensor  # (m, dim) the nodes' pre-conv inputs
+
+
+@dataclass
+class _ScanRow:
+    ssm_state: torch.Tensor  # vLLM's (slots, heads, headdim, dstate)
+    slots: list[int]  # the request's state slots; slot a receives the committed state
+    h0: torch.Tensor  # (heads, headdim, dstate) fp32 state before the root
+    x: torch.Tensor  # (m, heads, headdim)
+    dt: torch.Tensor  # (m, heads) fp32 processed dt
+    A: torch.Tensor  # (heads,)
+    B: torch.Tensor  # (m, groups, dstate)
+
+
+@dataclass
+class TreeStep:
+    """This engine step's trees (keyed by the first token index of each request's query) and what
+    the layers kept for the commit."""
+
+    rows: dict[int, TreeRow]
+    kv: list[tuple] = field(default_factory=list)  # (key_cache, value_cache, CacheLayout, slot_mapping)
+    conv: list[tuple[int, _ConvRow]] = field(default_factory=list)
+    scan: list[tuple[int, _ScanRow]] = field(default_factory=list)
+
+    def verify(self, logits: torch.Tensor, cu_num_sampled: list[int], sampled: torch.Tensor) -> None:
+        """Verify every tree against its target logits and write the output rows in place.
+
+        logits: (sum of 1 + n per request, vocab), request ``r``'s rows end at
+        ``cu_num_sampled[r]``, row ``i`` after node ``i``; sampled: vLLM's
+        (num_reqs, 1 + max drafts) output, -1 padded.
+        """
+        for tr in self.rows.values():
+            d = tr.drafted
+            m = d.tree.num_nodes
+            end = cu_num_sampled[tr.row]
+            if end - (cu_num_sampled[tr.row - 1] if tr.row else 0) != m:
+                raise RuntimeError(f"stree: request row {tr.row} has {m} tree nodes but vLLM computed "
+                                   "logits for a different number of positions")
+            verdict = d.verifier.verify(Draft(d.tree, d.q, d.mode), logits[end - m:end][None].float(),
+                                        d.sampling, tr.generator)
+            a = int(verdict.num_accepted[0])
+            tr.path = verdict.path[0, :a + 1].tolist()
+            tokens = d.tree.tokens[0, tr.path[1:]].tolist() + [int(verdict.next_token[0])]
+            sampled[tr.row].fill_(-1)
+            sampled[tr.row, :a + 1] = torch.tensor(tokens, dtype=sampled.dtype)
+
+    def commit(self) -> None:
+        """Move the accepted paths' K/V into place and replay the Mamba2 states along them."""
+        for key_cache, value_cache, layout, slot_mapping in self.kv:
+            for tr in self.rows.values():
+                moved = [(tr.start + j, tr.start + n) for j, n in enumerate(tr.path) if j != n]
+                if not moved:
+                    continue
+                dst, src = (slot_mapping[list(s)].long() for s in zip(*moved))
+                for cache, index in ((key_cache, layout.key), (value_cache, layout.value)):
+                    block = index.shape[0]
+                    regions = _regions(cache)
+                    regions[(dst // block)[:, None], :, index[dst % block]] = \
+                        regions[(src // block)[:, None], :, index[src % block]]
+        for start, c in self.conv:
+            path = self.rows[start].path
+            window = c.window[None].clone()
+            conv_replay(window, c.xbc[None], torch.tensor([path]))
+            a = len(path) - 1
+            c.conv_state[c.slot, :, a:a + window.shape[-1]] = window[0]
+        for start, s in self.scan:
+            path = self.rows[start].path
+            state = s.h0[None].clone()
+            ssm_replay(state, s.x[None], s.dt[None], s.A, s.B[None], torch.tensor([path]))
+            s.ssm_state[s.slots[len(path) - 1]] = state[0].to(s.ssm_state.dtype)
+
+
+_current: TreeStep | None = None
+
+
+def current() -> TreeStep | None:
+    return _current
+
+
+def begin(step: TreeStep | None) -> None:
+    global _current
+    _current = step
+
+
+# -- the layers ----------------------------------------------------------------------------------
+
+class CacheLayout:
+    """Where vLLM's CPU backend keeps token ``t``'s K (and V) inside a block: ``index[t, d]`` is
+    the flat position of element ``d`` in one head's ``block_size * head_dim`` region. The layout
+    depends on the kernel's ISA and sizes (K is stored dimension-major for some), so it is read
+    once from vLLM's own ``cpu_attn_reshape_and_cache`` writing known values into a scratch block.
+    """
+
+    _cache: dict = {}
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor):
+        self.key, self.value = key, value
+
+    @classmethod
+    def probe(cls, layer, block_size: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> "CacheLayout":
+        k = (layer.isa, block_size, head_dim, dtype, kv_cache_dtype)
+        if k not in cls._cache:
+            from vllm import _custom_ops as ops
+
+            coords = []
+            for fill in (torch.arange(block_size)[:, None].expand(block_size, head_dim),   # token t
+                         torch.arange(head_dim)[None, :].expand(block_size, head_dim)):    # element d
+                scratch = torch.full((1, 1, 2 * block_size, head_dim), -1.0, dtype=dtype)
+                key_cache, value_cache = scratch.chunk(2, dim=2)
+                src = fill[:, None, :].to(dtype).contiguous()  # small integers: exact in any float dtype
+                ops.cpu_attn_reshape_and_cache(src, src.clone(), key_cache, value_cache, torch.arange(block_size),
+                                               layer.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+                coords.append((key_cache.reshape(-1).long(), value_cache.reshape(-1).long()))
+            maps = []
+            for which in (0, 1):
+                t, d = coords[0][which], coords[1][which]
+                index = torch.empty(block_size, head_dim, dtype=torch.long)
+                index[t, d] = torch.arange(block_size * head_dim)
+                maps.append(index)
+            cls._cache[k] = cls(*maps)
+        return cls._cache[k]
+
+
+def _regions(cache: torch.Tensor) -> torch.Tensor:
+    """(blocks, kv_heads, block_size * head_dim) view of a split K or V cache."""
+    return cache.reshape(cache.shape[0], cache.shape[1], -1)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(len(slots), kv_heads, head_dim) of the tokens in KV slots ``slots``."""
+    block = index.shape[0]
+    return _regions(cache)[(slots // block)[:, None], :, index[slots % block]].permute(0, 2, 1)
+
+
+def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata,
+                   output: torch.Tensor, step: TreeStep) -> None:
+    """Recompute the attention rows of tree requests under the tree mask, in place.
+
+    query: (tokens, heads, head_dim); key_cache, value_cache: (blocks, kv_heads, block_size,
+    head_dim) views of vLLM's CPU cache; metadata: vLLM's CPU attention metadata (query_start_loc,
+    seq_lens, block_table, slot_mapping). Query row ``i`` of a tree attends to the request's
+    committed context and to the tree nodes on its own root path.
+    """
+    if impl.alibi_slopes is not None or impl.sliding_window not in (None, -1) or impl.sinks is not None:
+        raise NotImplementedError("stree: tree verification in vLLM supports plain causal attention only "
+                                  "(no ALiBi, sliding window or attention sinks)")
+    if impl.is_fp8_kv_cache:
+        raise NotImplementedError("stree: tree verification in vLLM needs an unquantised KV cache")
+    block, head_dim = key_cache.shape[2], key_cache.shape[3]
+    layout = CacheLayout.probe(layer, block, head_dim, key_cache.dtype, impl.kv_cache_dtype)
+    starts = metadata.query_start_loc.tolist()
+    index = {s: r for r, s in enumerate(starts[:-1])}
+    heads, kv_heads = query.shape[1], key_cache.shape[1]
+    for tr in step.rows.values():
+        r = index[tr.start]
+        m = tr.drafted.tree.num_nodes
+        length = int(metadata.seq_lens[r])
+        pos = torch.arange(length)
+        slots = metadata.block_table[r, pos // block].long() * block + pos % block
+        k = _gather(key_cache, layout.key, slots).float().repeat_interleave(heads // kv_heads, 1)  # (L, h, d)
+        v = _gather(value_cache, layout.value, slots).float().repeat_interleave(heads // kv_heads, 1)
+        q = query[tr.start:tr.start + m].float()
+        scores = torch.einsum("mhd,lhd->hml", q, k) * impl.scale
+        if impl.logits_soft_cap:
+            scores = impl.logits_soft_cap * torch.tanh(scores / impl.logits_soft_cap)
+        allowed = torch.ones(m, length, dtype=torch.bool)
+        allowed[:, length - m:] = tr.drafted.tree.mask[0].cpu()
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out = torch.einsum("hml,lhd->mhd", probs, v)
+        output[tr.start:tr.start + m].view(m, heads, -1).copy_(out)
+    step.kv.append((key_cache, value_cache, layout, metadata.slot_mapping))
+
+
+def _tree_rows(step: TreeStep, query_start_loc: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(decode row, bos, eos) of the tree requests among vLLM's decode rows."""
+    starts = query_start_loc.tolist()
+    return [(i, bos, starts[i + 1]) for i, bos in enumerate(starts[:-1]) if bos in step.rows]
+
+
+def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+                     query_start_loc, step: TreeStep) -> tuple[torch.Tensor, list[int]]:
+    """Tree conv for the tree rows of vLLM's decode batch.
+
+    x: (tokens, dim) pre-conv inputs; conv_state: (slots, dim, width - 1 + K); weight (dim,
+    width). Writes the tree rows of the returned ``out`` (tokens, dim); returns it and the decode
+    rows handled, which the caller masks out of vLLM's own op. The conv state is not written.
+    """
+    out = torch.empty_like(x)
+    width = weight.shape[1]
+    handled = []
+    for i, bos, eos in _tree_rows(step, query_start_loc):
+        slot = int(conv_state_indices[i, 0])
+        offset = int(num_accepted_tokens[i]) - 1
+        window = conv_state[slot, :, offset:offset + width - 1].clone()
+        committed = F.pad(window, (1, 0))[None]  # mamba layout: width columns, the first unused
+        tree = step.rows[bos].drafted.tree
+        y = tree_conv(x[None, bos:eos], committed.to(x.dtype), weight, bias, tree.conv_window(width),
+                      activation="silu" if activation in ("silu", "swish", True) else None)
+        out[bos:eos] = y[0]
+        step.conv.append((bos, _ConvRow(conv_state, slot, window, x[bos:eos].clone())))
+        handled.append(i)
+    return out, handled
+
+
+def tree_state_update(ssm_state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_batch_indices,
+                      num_accepted_tokens, cu_seqlens, out, step: TreeStep) -> list[int]:
+    """Tree scan for the tree rows of vLLM's decode batch (vLLM's per-head-dim expanded operands:
+    x, dt, out (tokens, h, p); A (h, p, n); B, C (tokens, g, n); D, dt_bias (h, p)). Writes
+    ``out`` rows, not the state; returns the decode rows handled."""
+    handled = []
+    a_h = A[:, 0, 0].float()
+    for i, bos, eos in _tree_rows(step, cu_seqlens):
+        slots = state_batch_indices[i].tolist()
+        h0 = ssm_state[slots[int(num_accepted_tokens[i]) - 1]].float()
+        tree = step.rows[bos].drafted.tree
+        y, dt_out = tree_scan(x[None, bos:eos], dt[None, bos:eos, :, 0], a_h, B[None, bos:eos], C[None, bos:eos],
+                              tree.mask, D=D, dt_bias=None if dt_bias is None else dt_bias[:, 0],
+                              dt_softplus=dt_softplus, initial_states=h0[None])
+        out[bos:eos] = y[0].to(out.dtype)
+        step.scan.append((bos, _ScanRow(ssm_state, slots, h0, x[bos:eos].clone(), dt_out[0], a_h,
+                                        B[bos:eos].clone())))
+        handled.append(i)
+    return handled
+
+
+def verified_by_stree(params) -> bool:
+    """Whether stree's verifiers honour all that a request's ``SamplingParams`` ask for:
+    temperature, top-k, top-p, seed. A request that also asks for what only vLLM's sampler applies
+    (penalties, min-p, logit bias, allowed or bad words, min tokens, structured output, logprobs)
+    is left to vLLM: it verifies the flattened tree as a chain of proposed tokens (the rows run
+    causally, as vLLM schedules them), which is still lossless, only accepting less."""
+    if params is None:
+        return True
+    return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
+            and params.min_p == 0 and not params.logit_bias and not params.allowed_token_ids
+            and not params.bad_words and not params.min_tokens and params.logprobs is None
+            and getattr(params, "structured_outputs", None) is None)
+
+
+# -- the wrappers --------------------------------------------------------------------------------
+
+def _tree_proposer(runner):
+    from stree.vllm.proposer import StreeProposer
+
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, StreeProposer) and drafter.tree_mode else None
+
+
+def patch_trees() -> None:
+    """Install the wrappers of the module docstring (each leaves steps without trees to vLLM)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original_prepare = GPUModelRunner._prepare_inputs
+    if getattr(original_prepare, "_stree", False):
+        return
+    original_sample = GPUModelRunner._sample
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = original_prepare(self, scheduler_output, num_scheduled_tokens)
+        begin(None)
+        proposer, spec = _tree_proposer(self), result[1]
+        if proposer is None or spec is None:
+            return result
+        rows = {}
+        computed = self.input_batch.num_computed_tokens_cpu
+        starts = self.query_start_loc.np
+        cu_draft = [0] + spec.cu_num_draft_tokens.tolist()
+        drafts = spec.draft_token_ids.tolist()
+        for r, rid in enumerate(self.input_batch.req_ids):
+            n = spec.num_draft_tokens[r]
+            drafted = proposer.drafted.get(rid)
+            if n <= 0 or drafted is None or not verified_by_stree(getattr(self.requests.get(rid), "sampling_params",
+                                                                          None)):
+                continue
+            drafted = drafted.prefix(1 + n)
+            if drafted.tree.tokens[0, 1:].tolist() != drafts[cu_draft[r]:cu_draft[r + 1]]:
+                raise RuntimeError(f"stree: request {rid}'s scheduled draft tokens are not the tree it drafted")
+            start = int(starts[r])
+            self.positions[start:start + 1 + n] = int(computed[r]) + drafted.tree.depth[0].to(self.positions.device)
+            rows[start] = TreeRow(r, start, drafted, self.input_batch.generators.get(r))
+        begin(TreeStep(rows) if rows else None)
+        return result
+
+    def _sample(self, logits, spec_decode_metadata):
+        output = original_sample(self, logits, spec_decode_metadata)
+        step = current()
+        begin(None)
+        if step is not None and spec_decode_metadata is not None:
+            step.verify(logits, spec_decode_metadata.cu_num_sampled_tokens.tolist(), output.sampled_token_ids)
+            step.commit()
+        return output
+
+    _prepare_inputs._stree = True
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner._sample = _sample
+    _patch_mamba_ops()
+    _patch_cpu_attention()
+
+
+def _patch_mamba_ops() -> None:
+    import vllm.model_executor.layers.mamba.mamba_mixer2 as mixer2
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import NULL_BLOCK_ID
+
+    conv_next, scan_next = mixer2.causal_conv1d_update, mixer2.selective_state_update
+
+    def conv_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                    num_accepted_tokens=None, query_start_loc=None, null_block_id=NULL_BLOCK_ID, **kwargs):
+        step = current()
+        if step is None or num_accepted_tokens is None or query_start_loc is None:
+            return conv_next(x, conv_state, weight, bias, activation, conv_state_indices=conv_state_indices,
+                             num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
+                             null_block_id=null_block_id, **kwargs)
+        out, handled = tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices,
+                                        num_accepted_tokens, query_start_loc, step)
+        rest = conv_state_indices.clone()
+        rest[handled] = null_block_id
+        chain = conv_next(x, conv_state, weight, bias, activation, conv_state_indices=rest,
+                          num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
+                          null_block_id=null_block_id, **kwargs)
+        mine = torch.zeros(x.shape[0], dtype=torch.bool)
+        for i in handled:
+            mine[int(query_start_loc[i]):int(query_start_loc[i + 1])] = True
+        return torch.where(mine[:, None].to(x.device), out, chain)
+
+    def state_update(state, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, state_batch_indices=None,
+                     dst_state_batch_indices=None, null_block_id=NULL_BLOCK_ID, out=None, num_accepted_tokens=None,
+                     cu_seqlens=None, **kwargs):
+        step = current()
+        if step is not None and num_accepted_tokens is not None and cu_seqlens is not None and out is not None:
+            handled = tree_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_batch_indices,
+                                        num_accepted_tokens, cu_seqlens, out, step)
+            if handled:
+                state_batch_indices = state_batch_indices.clone()
+                state_batch_indices[handled] = null_block_id
+                dst_state_batch_indices = state_batch_indices
+        return scan_next(state, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                         state_batch_indices=state_batch_indices, dst_state_batch_indices=dst_state_batch_indices,
+                         null_block_id=null_block_id, out=out, num_accepted_tokens=num_accepted_tokens,
+                         cu_seqlens=cu_seqlens, **kwargs)
+
+    mixer2.causal_conv1d_update = conv_update
+    mixer2.selective_state_update = state_update
+
+
+def _patch_cpu_attention() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    original = CPUAttentionBackendImpl.forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        step = current()
+        if step is not None and attn_metadata is not None:
+            blocks, kv_heads, block_size, _ = kv_cache.size()
+            key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+            tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step)
+        return result
+
+    CPUAttentionBackendImpl.forward = forward

@@ -1,0 +1,72 @@
+"""Tree drafts inside vLLM (stree.vllm.trees) on the shipped MambaInLlama target: greedy output
+equal token for token to the target's own greedy decoding (stree, plain PyTorch) over 64 tokens,
+four concurrent requests of different lengths, for static, beam and dynamic trees and three
+drafts (continuous batching with trees: tests/vllm/test_engine_speculative.py). One engine per
+configuration."""
+import pytest
+
+from tests.vllm import drafts, engine
+from tests.vllm.test_engine_mambainllama import PROMPTS, _own_greedy
+from tests.vllm.test_engine_speculative import GREEDY, SHIPPED_DRAFT, TARGET
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _own_greedy(TARGET)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree-drafts")
+    return {"own": TARGET, "shipped": SHIPPED_DRAFT,
+            "perturbed": drafts.perturbed_copy(TARGET, str(root / "perturbed")),
+            "unrelated": drafts.unrelated(4096, str(root / "unrelated"))}
+
+
+def _run(tree: str, draft: str) -> dict:
+    spec = {"method": "stree", "model": draft, "tree": tree}
+    return engine.result(engine.run({"engine": {"model": TARGET, "speculative_config": spec},
+                                     "prompts": PROMPTS, "sampling": GREEDY}))
+
+
+def _accepted_per_step(out) -> float:
+    spec = out["spec"]
+    assert spec["vllm:spec_decode_num_drafts"] > 0  # it did speculate
+    return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
+
+
+@pytest.mark.parametrize("draft, low, high", [
+    ("own", 3.6, 4.0),        # the target's own weights: the first child is taken at every level
+    ("perturbed", 0.2, 3.6),
+    ("unrelated", 0.0, 0.5),  # mostly rejected
+])
+def test_caterpillar_equals_own_greedy(reference, draft_dirs, draft, low, high):
+    """``caterpillar:2,2,2,2`` (depth 4): the tree's paths are accepted, and K/V and Mamba state
+    are committed along them, whatever the draft."""
+    out = _run("caterpillar:2,2,2,2", draft_dirs[draft])
+    assert out["tokens"] == reference
+    assert low <= _accepted_per_step(out) <= high
+
+
+@pytest.mark.parametrize("tree", ["static:fig4a", "beam:2x3", "dyspec:8"])
+def test_other_trees_equal_own_greedy(reference, tree):
+    """STree's Fig. 4a static tree, a beam tree and DySpec's dynamic tree (its size varies per
+    step), with the shipped draft."""
+    out = _run(tree, SHIPPED_DRAFT)
+    assert out["tokens"] == reference
+    assert _accepted_per_step(out) > 0
+
+
+
+def test_requests_stree_cannot_verify_fall_back_to_vllm():
+    """A repetition penalty is applied by vLLM's sampler only: such a request's tree is verified
+    by vLLM as a chain of proposed tokens (lossless), so the output equals vLLM's own
+    non-speculative output under the same penalty."""
+    sampling = {**GREEDY, "repetition_penalty": 1.3}
+    base = {"model": TARGET}
+    ref = engine.result(engine.run({"engine": base, "prompts": PROMPTS, "sampling": sampling}))
+    spec = {"method": "stree", "model": SHIPPED_DRAFT, "tree": "caterpillar:2,2,2,2"}
+    out = engine.result(engine.run({"engine": {**base, "speculative_config": spec}, "prompts": PROMPTS,
+                                    "sampling": sampling}))
+    assert out["tokens"] == ref["tokens"]
+    assert out["spec"]["vllm:spec_decode_num_drafts"] > 0
