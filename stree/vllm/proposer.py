@@ -3,9 +3,10 @@
 vLLM's model runner calls ``propose`` once per step with every running request's token history;
 each request keeps one row (slot) of the draft's :class:`~stree.cache.StatePool`, keyed by vLLM's
 request id, holding the draft state of the committed sequence up to (not including) its last
-token. A step feeds the tokens committed since the last step (the previous root, the accepted
-draft tokens) through the draft from that state, then drafts a chain from the new last token
-(the root, which neither model has run). Rows belong to the requests of the current batch: a
+token. A step advances that state over the tokens committed since the last step (the previous
+root, the accepted draft tokens): from the activations the last draft kept (stree's commit by
+replay) when they are a root path of the last drafted tree, else by running them through the
+draft; then it drafts from the new last token (the root, which neither model has run). Rows belong to the requests of the current batch: a
 request that left it (finished, aborted or preempted) gives its slot back, and one whose history
 no longer extends what its slot holds (preempted and recomputed, or an id reused) is
 re-prefilled. :func:`patch_runner` passes vLLM's request ids and sampling parameters in, since
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from stree.draft.base import commit_draft
 from stree.sampling import SamplingConfig
 from stree.vllm.speculative import DraftSpec, draft_size, is_chain, load_draft
 from stree.vllm.trees import DraftedTree
@@ -41,6 +43,7 @@ class _Row:
 
     def __init__(self, slot: int, cache, seed: int | None):
         self.slot, self.cache, self.history = slot, cache, []
+        self.last = None  # the tree last drafted from this row's cache (its activations are kept)
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -142,18 +145,36 @@ class StreeProposer:
         if row is None or row.history != committed[:len(row.history)]:
             row = self._reset(rid, row, getattr(params, "seed", None))
         todo = committed[len(row.history):]
-        if todo:
-            self.model.prefill(torch.tensor([todo]), row.cache)
-            row.history = committed
         sampling = sampling_of(params)
         drafter, verifier = self.pairs[sampling.is_greedy]
+        if todo:
+            if not self._commit_drafted(row, todo, drafter):
+                self.model.prefill(torch.tensor([todo]), row.cache)
+            row.history = committed
         d = drafter.draft(self.model, row.cache, torch.tensor([history[-1]]), sampling, row.generator)
+        row.last = d.tree
         if self.tree_mode:
             q = None if d.q is None else d.q.float()
             self.drafted[rid] = DraftedTree(d.tree, q, d.mode, verifier, sampling)
             return d.tree.tokens[0, 1:].tolist(), None
         q = None if sampling.is_greedy else d.q[0, :self.k].float()  # node j's children: token j + 1
         return d.tree.tokens[0, 1:].tolist(), q
+
+    def _commit_drafted(self, row: _Row, todo: list[int], drafter) -> bool:
+        """Advance the row's draft state over ``todo`` (last step's root and the drafts the
+        target accepted) from the activations the last draft kept, as stree's own loop does,
+        instead of running the tokens through the draft again. False when ``todo`` is not a
+        root path of the last tree (the caller prefills)."""
+        tree, row.last = row.last, None
+        if tree is None or int(tree.tokens[0, 0]) != todo[0]:
+            return False
+        path = [0]
+        for token in todo[1:]:
+            child = next((c for c in tree.children(0, path[-1]) if int(tree.tokens[0, c]) == token), None)
+            if child is None:
+                return False
+            path.append(child)
+        return commit_draft(self.model, row.cache, tree, torch.tensor([path]), [len(path)], [path[-1]], drafter.ran)
 
     def _reset(self, rid: str, row: _Row | None, seed: int | None) -> _Row:
         slot = row.slot if row is not None else self.free.pop()
