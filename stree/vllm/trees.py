@@ -12,16 +12,17 @@ tree verification:
    (rotary embeddings see the node's place on its own path); the slot mapping, already computed,
    keeps one KV slot per node. :class:`TreeStep` (this step's trees, keyed by the query's first
    token index) becomes current.
-2. Attention (vLLM's CPU backend): after vLLM's own kernel, the rows of tree requests are
-   recomputed under the tree mask: committed context plus the node's ancestors
-   (:func:`tree_attention`).
+2. Attention (vLLM's CPU backend): the rows of tree requests are computed under the tree mask:
+   committed context plus the node's ancestors (:func:`tree_attention`); vLLM's own kernel runs
+   first when the batch holds other rows.
 3. Mamba2 (vLLM's decode ops ``causal_conv1d_update`` / ``selective_state_update``): tree rows run
    stree's ``tree_conv`` and ``tree_scan`` from the committed state; nothing is written, and the
-   activations the commit needs are kept (:class:`_ConvRow`, :class:`_ScanRow`). The other rows
-   go to vLLM's op with the tree rows masked out (their state index set to vLLM's null block).
+   activations the commit needs are kept (:class:`_ConvRow`, :class:`_ScanRow`). Other rows, if
+   any, go to vLLM's op with the tree rows masked out (their state index set to vLLM's null block).
 4. ``GPUModelRunner._sample``: stree's verifier on each tree (the lossless rule for the request's
    sampling settings and the draft's mode) gives the accepted path; the request's output row
-   becomes the path's tokens and the token the target emits after it.
+   becomes the path's tokens and the token the target emits after it (vLLM's rejection sampler
+   runs first only when the batch holds other rows).
 5. Commit (:meth:`TreeStep.commit`): the K/V of the path's nodes move to positions
    ``num_computed + 1 .. + a`` (vLLM then counts ``a + 1`` new tokens there), and each Mamba2
    layer's state is advanced along the path from the kept activations (``ssm_replay``,
@@ -78,6 +79,16 @@ class TreeRow:
     drafted: DraftedTree
     generator: torch.Generator | None
     path: list[int] | None = None
+    _allowed: torch.Tensor | None = None
+
+    def allowed(self, length: int) -> torch.Tensor:
+        """(m, length) bool attention mask of the tree's queries over a request of ``length``
+        tokens: the context, then each node's ancestors (itself included). Built once per step."""
+        if self._allowed is None or self._allowed.shape[1] != length:
+            m = self.drafted.tree.num_nodes
+            self._allowed = torch.ones(m, length, dtype=torch.bool)
+            self._allowed[:, length - m:] = self.drafted.tree.mask[0].cpu()
+        return self._allowed
 
 
 @dataclass
@@ -133,17 +144,18 @@ class TreeStep:
 
     def commit(self) -> None:
         """Move the accepted paths' K/V into place and replay the Mamba2 states along them."""
-        for key_cache, value_cache, layout, slot_mapping in self.kv:
-            for tr in self.rows.values():
-                moved = [(tr.start + j, tr.start + n) for j, n in enumerate(tr.path) if j != n]
-                if not moved:
-                    continue
-                dst, src = (slot_mapping[list(s)].long() for s in zip(*moved))
-                for cache, index in ((key_cache, layout.key), (value_cache, layout.value)):
-                    block = index.shape[0]
-                    regions = _regions(cache)
-                    regions[(dst // block)[:, None], :, index[dst % block]] = \
-                        regions[(src // block)[:, None], :, index[src % block]]
+        # query positions whose K/V move: path index j <- node path[j] (nodes come in topological
+        # order, so j <= path[j] and a gather-then-scatter never reads a moved slot)
+        moves = [(tr.start + j, tr.start + n) for tr in self.rows.values() for j, n in enumerate(tr.path) if j != n]
+        if moves:
+            dst_q, src_q = (torch.tensor(v) for v in zip(*moves))
+        for key_cache, value_cache, layout, slot_mapping in self.kv if moves else ():
+            dst, src = slot_mapping[dst_q].long(), slot_mapping[src_q].long()
+            for cache, index in ((key_cache, layout.key), (value_cache, layout.value)):
+                block = index.shape[0]
+                regions = _regions(cache)
+                regions[(dst // block)[:, None], :, index[dst % block]] = \
+                    regions[(src // block)[:, None], :, index[src % block]]
         for start, c in self.conv:
             path = self.rows[start].path
             window = c.window[None].clone()
@@ -237,25 +249,30 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     layout = CacheLayout.probe(layer, block, head_dim, key_cache.dtype, impl.kv_cache_dtype)
     starts = metadata.query_start_loc.tolist()
     index = {s: r for r, s in enumerate(starts[:-1])}
-    heads, kv_heads = query.shape[1], key_cache.shape[1]
+    heads = query.shape[1]
     for tr in step.rows.values():
         r = index[tr.start]
         m = tr.drafted.tree.num_nodes
         length = int(metadata.seq_lens[r])
         pos = torch.arange(length)
         slots = metadata.block_table[r, pos // block].long() * block + pos % block
-        k = _gather(key_cache, layout.key, slots).float().repeat_interleave(heads // kv_heads, 1)  # (L, h, d)
-        v = _gather(value_cache, layout.value, slots).float().repeat_interleave(heads // kv_heads, 1)
-        q = query[tr.start:tr.start + m].float()
-        scores = torch.einsum("mhd,lhd->hml", q, k) * impl.scale
-        if impl.logits_soft_cap:
-            scores = impl.logits_soft_cap * torch.tanh(scores / impl.logits_soft_cap)
-        allowed = torch.ones(m, length, dtype=torch.bool)
-        allowed[:, length - m:] = tr.drafted.tree.mask[0].cpu()
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out = torch.einsum("hml,lhd->mhd", probs, v)
-        output[tr.start:tr.start + m].view(m, heads, -1).copy_(out)
+        k, v = (_gather(c, i, slots).transpose(0, 1)[None].float()  # (1, kv_heads, L, d)
+                for c, i in ((key_cache, layout.key), (value_cache, layout.value)))
+        q = query[tr.start:tr.start + m].transpose(0, 1)[None].float()  # (1, heads, m, d)
+        if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
+            k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
+            scores = impl.logits_soft_cap * torch.tanh(q @ k.transpose(-1, -2) * impl.scale / impl.logits_soft_cap)
+            out = scores.masked_fill(~tr.allowed(length), float("-inf")).softmax(-1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=tr.allowed(length), scale=impl.scale,
+                                                 enable_gqa=True)
+        output[tr.start:tr.start + m].view(m, heads, -1).copy_(out[0].transpose(0, 1))
     step.kv.append((key_cache, value_cache, layout, metadata.slot_mapping))
+
+
+def covers(step: TreeStep, query_start_loc: torch.Tensor) -> bool:
+    """Whether every request of the batch is a tree row (then vLLM's own op has nothing to do)."""
+    return len(step.rows) == query_start_loc.shape[0] - 1
 
 
 def _tree_rows(step: TreeStep, query_start_loc: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -369,12 +386,19 @@ def patch_trees() -> None:
         return result
 
     def _sample(self, logits, spec_decode_metadata):
-        output = original_sample(self, logits, spec_decode_metadata)
+        from vllm.v1.outputs import SamplerOutput
+
         step = current()
         begin(None)
-        if step is not None and spec_decode_metadata is not None:
-            step.verify(logits, spec_decode_metadata.cu_num_sampled_tokens.tolist(), output.sampled_token_ids)
-            step.commit()
+        if step is None or spec_decode_metadata is None:
+            return original_sample(self, logits, spec_decode_metadata)
+        if len(step.rows) == self.input_batch.num_reqs:  # every row is stree's: no rejection sampler
+            output = SamplerOutput(torch.full((len(step.rows), spec_decode_metadata.max_spec_len + 1), -1,
+                                              dtype=torch.int32, device=logits.device), None)
+        else:
+            output = original_sample(self, logits, spec_decode_metadata)
+        step.verify(logits, spec_decode_metadata.cu_num_sampled_tokens.tolist(), output.sampled_token_ids)
+        step.commit()
         return output
 
     _prepare_inputs._stree = True
@@ -399,6 +423,8 @@ def _patch_mamba_ops() -> None:
                              null_block_id=null_block_id, **kwargs)
         out, handled = tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices,
                                         num_accepted_tokens, query_start_loc, step)
+        if len(handled) == query_start_loc.shape[0] - 1:
+            return out
         rest = conv_state_indices.clone()
         rest[handled] = null_block_id
         chain = conv_next(x, conv_state, weight, bias, activation, conv_state_indices=rest,
@@ -416,6 +442,8 @@ def _patch_mamba_ops() -> None:
         if step is not None and num_accepted_tokens is not None and cu_seqlens is not None and out is not None:
             handled = tree_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_batch_indices,
                                         num_accepted_tokens, cu_seqlens, out, step)
+            if len(handled) == cu_seqlens.shape[0] - 1:
+                return out
             if handled:
                 state_batch_indices = state_batch_indices.clone()
                 state_batch_indices[handled] = null_block_id
@@ -435,12 +463,14 @@ def _patch_cpu_attention() -> None:
     original = CPUAttentionBackendImpl.forward
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = current()
-        if step is not None and attn_metadata is not None:
-            blocks, kv_heads, block_size, _ = kv_cache.size()
-            key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-            tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step)
-        return result
+        if step is None or attn_metadata is None:
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if not covers(step, attn_metadata.query_start_loc):  # other rows: vLLM's kernel first
+            original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        blocks, kv_heads, block_size, _ = kv_cache.size()
+        key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step)
+        return output
 
     CPUAttentionBackendImpl.forward = forward

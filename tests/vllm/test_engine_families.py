@@ -1,7 +1,8 @@
 """vLLM's own Mamba2-family classes as targets of ``method: "stree"``: tiny random checkpoints
-written with transformers' ``save_pretrained``; the draft is the same checkpoint loaded and patched
-by stree. Greedy output equals vLLM's own non-speculative output token for token, four
-concurrent requests of different lengths. (vLLM's CPU attention needs head_dim >= 32, so these
+written with transformers' ``save_pretrained``; three drafts per family (the same checkpoint, a
+perturbed copy, an unrelated random model), loaded and patched by stree. Greedy output equals
+vLLM's own non-speculative output token for token, four concurrent requests of different
+lengths. (vLLM's CPU attention needs head_dim >= 32, so these
 configs are wider than the main suite's.)"""
 import pytest
 import torch
@@ -64,16 +65,34 @@ def _zamba2():
         max_position_embeddings=512, pad_token_id=0))
 
 
+def _perturbed(model, scale: float = 0.3):
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    return model
+
+
 @pytest.mark.parametrize("build", [_mamba2, _granite, _nemotron_h, _falcon_h1, _zamba2],
                          ids=["mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"])
-def test_stree_chain_and_tree_equal_vllm_greedy(tmp_path, build):
+def test_stree_equals_vllm_greedy_with_three_drafts(tmp_path, build):
+    """Drafts: the target's own weights (a tree, verified by stree in the engine), a perturbed
+    copy (a chain, verified by vLLM) and an unrelated random model of the same family (a tree)."""
     torch.manual_seed(0)
-    build().save_pretrained(tmp_path)
-    base = {"model": str(tmp_path), "skip_tokenizer_init": True}
+    build().save_pretrained(tmp_path / "target")
+    torch.manual_seed(0)
+    _perturbed(build()).save_pretrained(tmp_path / "perturbed")
+    torch.manual_seed(1)
+    build().save_pretrained(tmp_path / "unrelated")
+    base = {"model": str(tmp_path / "target"), "skip_tokenizer_init": True}
     ref = engine.result(engine.run({"engine": base, "prompts": PROMPTS, "sampling": GREEDY}))
-    for tree in ("chain:4", "caterpillar:2,2,2"):  # verified by vLLM, then by stree in the engine
-        spec = {"method": "stree", "model": str(tmp_path), "tree": tree}
+    accepted = {}
+    for draft, tree in (("target", "caterpillar:2,2,2"), ("perturbed", "chain:4"), ("unrelated", "caterpillar:2,2,2")):
+        spec = {"method": "stree", "model": str(tmp_path / draft), "tree": tree}
         out = engine.result(engine.run({"engine": {**base, "speculative_config": spec}, "prompts": PROMPTS,
                                         "sampling": GREEDY}))
-        assert out["tokens"] == ref["tokens"], tree
-        assert out["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # it speculated and accepted some
+        assert out["tokens"] == ref["tokens"], draft
+        counts = out["spec"]
+        assert counts["vllm:spec_decode_num_drafts"] > 0  # it speculated
+        accepted[draft] = counts["vllm:spec_decode_num_accepted_tokens"] / counts["vllm:spec_decode_num_drafts"]
+    assert accepted["target"] > accepted["unrelated"]
