@@ -41,12 +41,35 @@ def _main(spec: dict) -> None:
     lengths = spec.get("max_tokens")  # per-request max_tokens, overriding the shared sampling's
     params = ([SamplingParams(**{**spec["sampling"], "max_tokens": n}) for n in lengths] if lengths
               else SamplingParams(**spec["sampling"]))
+    if "abort" in spec:
+        print(MARK + json.dumps(_with_abort(llm, prompts, params, **spec["abort"])), flush=True)
+        return
     outs = llm.generate(prompts, params, use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")
                 and hasattr(m, "value")}
     print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                     "texts": [o.outputs[0].text for o in outs], "spec": counters}),
           flush=True)
+
+
+def _with_abort(llm, prompts, params, requests: list[int], after_steps: int, late: list) -> dict:
+    """Step the engine by hand: abort ``requests`` (prompt indices) after ``after_steps`` engine
+    steps, then add the ``late`` prompts, which take the aborted requests' places. Returns the
+    finished requests' tokens by id (prompt index, or ``late<j>``)."""
+    engine_ = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine_.add_request(str(i), prompt, params)
+    finished, steps = {}, 0
+    while engine_.has_unfinished_requests():
+        for out in engine_.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == after_steps:
+            engine_.abort_request([str(i) for i in requests])
+            for j, prompt in enumerate(late):
+                engine_.add_request(f"late{j}", {"prompt_token_ids": prompt}, params)
+    return {"finished": finished}
 
 
 if __name__ == "__main__":

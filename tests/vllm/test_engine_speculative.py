@@ -61,11 +61,6 @@ def test_continuous_batching_reuses_draft_slots(tree):
     chains (vLLM verifies) and trees (stree verifies in the engine): requests finish at different
     times, new ones take their place (their draft state-pool rows, Mamba state slots and KV
     blocks), and every request's tokens equal the target's own greedy decoding."""
-    import torch
-
-    import stree
-    import stree.hybrid
-
     prompts = [list(range(5 + i, 5 + 3 * i + 2)) for i in range(10)]
     lengths = [8 + 7 * (i % 4) for i in range(10)]
     proc = engine.run({"engine": {"model": TARGET, "speculative_config": {"method": "stree", "model": SHIPPED_DRAFT,
@@ -73,8 +68,16 @@ def test_continuous_batching_reuses_draft_slots(tree):
                        "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": max(lengths),
                                                         "ignore_eos": True},
                        "max_tokens": lengths})
-    out = engine.result(proc)["tokens"]
+    assert engine.result(proc)["tokens"] == own_greedy_of(prompts, lengths)
+
+
+def own_greedy_of(prompts, lengths) -> list[list[int]]:
+    """The shipped target's own greedy continuation of each prompt (stree, plain PyTorch)."""
+    import torch
+
+    import stree
+    import stree.hybrid
+
     model = stree.hybrid.MambaInLlamaForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
-    for p, n, got in zip(prompts, lengths, out):
-        want = stree.generate(model, None, torch.tensor([p]), n, method="ar").sequences[0, len(p):].tolist()
-        assert got == want
+    return [stree.generate(model, None, torch.tensor([p]), n, method="ar").sequences[0, len(p):].tolist()
+            for p, n in zip(prompts, lengths)]

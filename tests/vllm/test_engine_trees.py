@@ -7,7 +7,7 @@ import pytest
 
 from tests.vllm import drafts, engine
 from tests.vllm.test_engine_mambainllama import PROMPTS, _own_greedy
-from tests.vllm.test_engine_speculative import GREEDY, SHIPPED_DRAFT, TARGET
+from tests.vllm.test_engine_speculative import GREEDY, SHIPPED_DRAFT, TARGET, own_greedy_of as _own_greedy_of
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,17 @@ def test_requests_stree_cannot_verify_fall_back_to_vllm():
                                     "sampling": sampling}))
     assert out["tokens"] == ref["tokens"]
     assert out["spec"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_aborted_requests_leave_no_state_behind():
+    """Two of four requests are aborted mid-generation and two new ones take their places (their
+    draft rows, Mamba state slots and KV blocks, and stree's tree records): every request that
+    finishes equals the target's own greedy decoding, and the aborted ones never finish."""
+    late = [[40, 41, 42, 43], list(range(100, 150))]
+    spec = {"method": "stree", "model": SHIPPED_DRAFT, "tree": "caterpillar:2,2,2,2"}
+    out = engine.result(engine.run({"engine": {"model": TARGET, "speculative_config": spec}, "prompts": PROMPTS,
+                                    "sampling": GREEDY, "abort": {"requests": [1, 2], "after_steps": 4,
+                                                                  "late": late}}))["finished"]
+    assert sorted(out) == ["0", "3", "late0", "late1"]
+    want = _own_greedy_of(PROMPTS + late, [GREEDY["max_tokens"]] * 6)
+    assert [out["0"], out["3"], out["late0"], out["late1"]] == [want[0], want[3], want[4], want[5]]
