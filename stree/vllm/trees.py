@@ -405,7 +405,10 @@ def patch_trees() -> None:
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._sample = _sample
     _patch_mamba_ops()
-    _patch_cpu_attention()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # trees are refused at start-up elsewhere (speculative.translate)
+        _patch_cpu_attention()
 
 
 def _patch_mamba_ops() -> None:
