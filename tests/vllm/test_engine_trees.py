@@ -5,28 +5,15 @@ drafts (continuous batching with trees: tests/vllm/test_engine_speculative.py). 
 configuration."""
 import pytest
 
-from tests.vllm import drafts, engine
-from tests.vllm.test_engine_mambainllama import PROMPTS, _own_greedy
-from tests.vllm.test_engine_speculative import GREEDY, SHIPPED_DRAFT, TARGET, own_greedy_of as _own_greedy_of
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return _own_greedy(TARGET)
-
-
-@pytest.fixture(scope="module")
-def draft_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree-drafts")
-    return {"own": TARGET, "shipped": SHIPPED_DRAFT,
-            "perturbed": drafts.perturbed_copy(TARGET, str(root / "perturbed")),
-            "unrelated": drafts.unrelated(4096, str(root / "unrelated"))}
+from tests.vllm import engine
+from tests.vllm.test_engine_mambainllama import PROMPTS
+from tests.vllm.test_engine_speculative import GREEDY, SHIPPED_DRAFT, TARGET, _run as _run_spec, own_greedy_of
+# the shipped target's own greedy output and the three drafts, as in the chain tests
+from tests.vllm.test_engine_speculative import draft_dirs, reference  # noqa: F401
 
 
 def _run(tree: str, draft: str) -> dict:
-    spec = {"method": "stree", "model": draft, "tree": tree}
-    return engine.result(engine.run({"engine": {"model": TARGET, "speculative_config": spec},
-                                     "prompts": PROMPTS, "sampling": GREEDY}))
+    return _run_spec({"method": "stree", "model": draft, "tree": tree})
 
 
 def _accepted_per_step(out) -> float:
@@ -82,5 +69,5 @@ def test_aborted_requests_leave_no_state_behind():
                                     "sampling": GREEDY, "abort": {"requests": [1, 2], "after_steps": 4,
                                                                   "late": late}}))["finished"]
     assert sorted(out) == ["0", "3", "late0", "late1"]
-    want = _own_greedy_of(PROMPTS + late, [GREEDY["max_tokens"]] * 6)
+    want = own_greedy_of(PROMPTS + late, [GREEDY["max_tokens"]] * 6)
     assert [out["0"], out["3"], out["late0"], out["late1"]] == [want[0], want[3], want[4], want[5]]
