@@ -6,10 +6,12 @@ request id, holding the draft state of the committed sequence up to (not includi
 token. A step advances that state over the tokens committed since the last step (the previous
 root, the accepted draft tokens): from the activations the last draft kept (stree's commit by
 replay) when they are a root path of the last drafted tree, else by running them through the
-draft; then it drafts from the new last token (the root, which neither model has run). Rows belong to the requests of the current batch: a
-request that left it (finished, aborted or preempted) gives its slot back, and one whose history
-no longer extends what its slot holds (preempted and recomputed, or an id reused) is
-re-prefilled. :func:`patch_runner` passes vLLM's request ids and sampling parameters in, since
+draft; then it drafts from the new last token (the root, which neither model has run). Dynamic
+drafters keep the calibration they start with: their online update (``Drafter.observe``) reads
+the drafter's last batch, which here is another request's. Rows belong to the requests of the
+current batch: a request that left it (finished, aborted or preempted) gives its slot back, and
+one whose history no longer extends what its slot holds (preempted and recomputed, or an id
+reused) is re-prefilled. :func:`patch_runner` passes vLLM's request ids and sampling parameters in, since
 vLLM's custom-proposer call does not carry them.
 
 A greedy request gets the draft's argmax chain. A sampled one gets a chain drawn from the draft's

@@ -276,9 +276,14 @@ def covers(step: TreeStep, query_start_loc: torch.Tensor) -> bool:
 
 
 def _tree_rows(step: TreeStep, query_start_loc: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(decode row, bos, eos) of the tree requests among vLLM's decode rows."""
+    """(decode row, bos, eos) of the tree requests among vLLM's decode rows (which come first in
+    its batch, so their token offsets are the batch's; a tree query of 1 + n <= 1 + K tokens is
+    always a decode row)."""
     starts = query_start_loc.tolist()
-    return [(i, bos, starts[i + 1]) for i, bos in enumerate(starts[:-1]) if bos in step.rows]
+    rows = [(i, bos, starts[i + 1]) for i, bos in enumerate(starts[:-1]) if bos in step.rows]
+    if len(rows) != len(step.rows):
+        raise RuntimeError("stree: a tree request is missing from vLLM's Mamba decode rows")
+    return rows
 
 
 def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
