@@ -168,11 +168,13 @@ class StreeProposer:
         instead of running the tokens through the draft again. False when ``todo`` is not a
         root path of the last tree (the caller prefills)."""
         tree, row.last = row.last, None
-        if tree is None or int(tree.tokens[0, 0]) != todo[0]:
+        if tree is None:
             return False
-        path = [0]
+        tokens, path = tree.tokens[0].tolist(), [0]
+        if tokens[0] != todo[0]:
+            return False
         for token in todo[1:]:
-            child = next((c for c in tree.children(0, path[-1]) if int(tree.tokens[0, c]) == token), None)
+            child = next((c for c in tree.children(0, path[-1]) if tokens[c] == token), None)
             if child is None:
                 return False
             path.append(child)

@@ -120,6 +120,11 @@ class TreeStep:
     conv: list[tuple[int, _ConvRow]] = field(default_factory=list)
     scan: list[tuple[int, _ScanRow]] = field(default_factory=list)
 
+    def covers(self, num_rows: int) -> bool:
+        """Whether all ``num_rows`` requests of a batch (or of vLLM's decode rows, where every tree
+        is) are trees: then vLLM's own kernel, op or sampler has nothing left to do."""
+        return len(self.rows) == num_rows
+
     def verify(self, logits: torch.Tensor, cu_num_sampled: list[int], sampled: torch.Tensor) -> None:
         """Verify every tree against its target logits and write the output rows in place.
 
@@ -270,11 +275,6 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     step.kv.append((key_cache, value_cache, layout, metadata.slot_mapping))
 
 
-def covers(step: TreeStep, query_start_loc: torch.Tensor) -> bool:
-    """Whether every request of the batch is a tree row (then vLLM's own op has nothing to do)."""
-    return len(step.rows) == query_start_loc.shape[0] - 1
-
-
 def _tree_rows(step: TreeStep, query_start_loc: torch.Tensor) -> list[tuple[int, int, int]]:
     """(decode row, bos, eos) of the tree requests among vLLM's decode rows (which come first in
     its batch, so their token offsets are the batch's; a tree query of 1 + n <= 1 + K tokens is
@@ -397,7 +397,7 @@ def patch_trees() -> None:
         begin(None)
         if step is None or spec_decode_metadata is None:
             return original_sample(self, logits, spec_decode_metadata)
-        if len(step.rows) == self.input_batch.num_reqs:  # every row is stree's: no rejection sampler
+        if step.covers(self.input_batch.num_reqs):  # no rejection sampler needed
             output = SamplerOutput(torch.full((len(step.rows), spec_decode_metadata.max_spec_len + 1), -1,
                                               dtype=torch.int32, device=logits.device), None)
         else:
@@ -431,17 +431,17 @@ def _patch_mamba_ops() -> None:
                              null_block_id=null_block_id, **kwargs)
         out, handled = tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices,
                                         num_accepted_tokens, query_start_loc, step)
-        if len(handled) == query_start_loc.shape[0] - 1:
+        if step.covers(query_start_loc.shape[0] - 1):
             return out
         rest = conv_state_indices.clone()
         rest[handled] = null_block_id
         chain = conv_next(x, conv_state, weight, bias, activation, conv_state_indices=rest,
                           num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
                           null_block_id=null_block_id, **kwargs)
-        mine = torch.zeros(x.shape[0], dtype=torch.bool)
+        starts = query_start_loc.tolist()
         for i in handled:
-            mine[int(query_start_loc[i]):int(query_start_loc[i + 1])] = True
-        return torch.where(mine[:, None].to(x.device), out, chain)
+            chain[starts[i]:starts[i + 1]] = out[starts[i]:starts[i + 1]]
+        return chain
 
     def state_update(state, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, state_batch_indices=None,
                      dst_state_batch_indices=None, null_block_id=NULL_BLOCK_ID, out=None, num_accepted_tokens=None,
@@ -450,7 +450,7 @@ def _patch_mamba_ops() -> None:
         if step is not None and num_accepted_tokens is not None and cu_seqlens is not None and out is not None:
             handled = tree_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_batch_indices,
                                         num_accepted_tokens, cu_seqlens, out, step)
-            if len(handled) == cu_seqlens.shape[0] - 1:
+            if step.covers(cu_seqlens.shape[0] - 1):
                 return out
             if handled:
                 state_batch_indices = state_batch_indices.clone()
@@ -474,7 +474,7 @@ def _patch_cpu_attention() -> None:
         step = current()
         if step is None or attn_metadata is None:
             return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if not covers(step, attn_metadata.query_start_loc):  # other rows: vLLM's kernel first
+        if not step.covers(attn_metadata.query_start_loc.shape[0] - 1):  # other rows: vLLM's kernel first
             original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         blocks, kv_heads, block_size, _ = kv_cache.size()
         key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)

@@ -30,10 +30,11 @@ def _run(speculative_config):
     return engine.result(proc)
 
 
-def _acceptance(out) -> float:
+def _acceptance(out, per: str = "draft_tokens") -> float:
+    """Accepted tokens per draft token (or, with ``per="drafts"``, per speculative step)."""
     spec = out["spec"]
     assert spec["vllm:spec_decode_num_drafts"] > 0  # it did speculate
-    return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_draft_tokens"]
+    return spec["vllm:spec_decode_num_accepted_tokens"] / spec[f"vllm:spec_decode_num_{per}"]
 
 
 @pytest.mark.parametrize("draft, low, high", [

@@ -7,7 +7,8 @@ import pytest
 
 from tests.vllm import engine
 from tests.vllm.test_engine_mambainllama import PROMPTS
-from tests.vllm.test_engine_speculative import GREEDY, SHIPPED_DRAFT, TARGET, _run as _run_spec, own_greedy_of
+from tests.vllm.test_engine_speculative import (GREEDY, SHIPPED_DRAFT, TARGET, _acceptance, _run as _run_spec,
+                                             own_greedy_of)
 # the shipped target's own greedy output and the three drafts, as in the chain tests
 from tests.vllm.test_engine_speculative import draft_dirs, reference  # noqa: F401
 
@@ -17,9 +18,7 @@ def _run(tree: str, draft: str) -> dict:
 
 
 def _accepted_per_step(out) -> float:
-    spec = out["spec"]
-    assert spec["vllm:spec_decode_num_drafts"] > 0  # it did speculate
-    return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
+    return _acceptance(out, per="drafts")
 
 
 @pytest.mark.parametrize("draft, low, high", [
