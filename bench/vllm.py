@@ -4,7 +4,9 @@
 
 Per prompt set, temperature and batch size (1: one request at a time; 4: four concurrent requests),
 each method runs in its own engine (a child process, as vLLM needs; start-up is not timed), after
-one warm-up request: tokens/s (new tokens over wall time of the timed requests), tau (tokens per
+one warm-up request. Engines run in vLLM's default mode, which compiles the model
+(``enforce_eager=False``; stree's proposer then compiles the draft's levels too), about twice as
+fast on this CPU as ``--enforce-eager``, which reproduces eager runs: tokens/s (new tokens over wall time of the timed requests), tau (tokens per
 target call: 1 + accepted / drafts, from vLLM's counters) and mean per-request latency. At T = 0 each
 method's tokens are compared with vLLM's own decoding ("exact"). Methods run one after another in
 the same process tree, so compare them within one run; run it on a quiet machine. Results go to
@@ -38,7 +40,7 @@ def _engine(args) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(args.child)
-    llm = LLM(model=spec["target"], dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
+    llm = LLM(model=spec["target"], dtype="float32", enforce_eager=spec["enforce_eager"], max_model_len=1024, max_num_seqs=4,
               seed=0, kv_cache_memory_bytes=1 << 29, disable_log_stats=False,
               speculative_config=spec["speculative_config"])
 
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (no torch.compile)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
         reference = None
         for method in args.methods:
             spec_config = METHODS[method] and json.loads(json.dumps(METHODS[method]).replace("{draft}", args.draft))
-            child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
+            child = dict(target=args.target, speculative_config=spec_config, prompts=prompts, enforce_eager=args.enforce_eager,
                          temperatures=args.temperatures, batches=args.batches, max_new_tokens=args.max_new_tokens)
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
                                   capture_output=True, text=True)
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
                 same = reference and (c["temperature"] == 0) and c["tokens"] == reference.get((0.0, c["batch"]))
                 base = next((r for r in rows if r["prompts"] == name and r["method"] == "ar"
                              and r["temperature"] == c["temperature"] and r["batch"] == c["batch"]), None)
-                row = dict(meta, prompts=name, method=method, temperature=c["temperature"], batch=c["batch"],
+                row = dict(meta, prompts=name, method=method, vllm_mode="eager" if args.enforce_eager else "compiled",
+                           temperature=c["temperature"], batch=c["batch"],
                            new_tokens=c["new_tokens"], tokens_per_s=round(c["tokens_per_s"], 1),
                            speedup=round(c["tokens_per_s"] / base["tokens_per_s"], 3) if base else 1.0,
                            tau=round(c["tau"], 2), latency_s=round(c["latency_s"], 3),

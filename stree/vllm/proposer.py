@@ -29,11 +29,14 @@ stree's verification in the next step.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
+from stree import capture
 from stree.draft.base import commit_draft
 from stree.sampling import SamplingConfig
-from stree.vllm.speculative import DraftSpec, draft_size, is_chain, load_draft
+from stree.vllm.speculative import DraftSpec, draft_size, load_draft
 from stree.vllm.trees import DraftedTree
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -68,21 +71,22 @@ class StreeProposer:
     :mod:`stree.vllm.speculative` selects for ``"stree"``)."""
 
     def __init__(self, vllm_config):
-        from stree.generation import resolve
-
         spec = DraftSpec.from_env()
         self.k = draft_size(spec.tree)
         if vllm_config.speculative_config.num_speculative_tokens != self.k:
             raise ValueError(f"num_speculative_tokens={vllm_config.speculative_config.num_speculative_tokens} "
                              f"disagrees with tree {spec.tree!r}")
-        self.tree_mode = not is_chain(spec.tree)
+        self.stree_verifies = spec.stree_verifies
         self.model = load_draft(spec.model)
         # (drafter, verifier) for greedy requests and for sampled ones: the draft mode, and with it
         # the lossless verifier, depends only on whether the request samples
-        method = "tree" if self.tree_mode else "chain"
-        self.pairs = {greedy: resolve(method, spec.tree, None, sampling) for greedy, sampling
+        self.pairs = {greedy: spec.pair(sampling) for greedy, sampling
                       in ((True, GREEDY), (False, SamplingConfig(temperature=1.0)))}
         self.drafted: dict[str, DraftedTree] = {}  # tree mode: each request's last tree
+        # vLLM compiles its model unless enforce_eager; the draft's levels follow, where the tree
+        # has a static template (one graph per level width, as stree's own compile=True)
+        self.compiled = (not vllm_config.model_config.enforce_eager
+                         and all(drafter.layered for drafter, _ in self.pairs.values()))
         slots = vllm_config.scheduler_config.max_num_seqs
         self.pool = self.model.allocate_state_pool(slots, vllm_config.model_config.max_model_len + self.k + 1)
         self.free = list(range(slots))
@@ -121,15 +125,16 @@ class StreeProposer:
         is still being prefilled); ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` its whole
         sequence. Returns ``K`` draft tokens per request ([] where nothing is drafted)."""
         out, probs = [], {}
-        for i, new in enumerate(sampled_token_ids):
-            if len(new) == 0 or i >= len(self.req_ids):
-                out.append([])
-                continue
-            history = token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
-            tokens, q = self._draft(i, history)
-            out.append(tokens)
-            if q is not None:
-                probs[i] = q
+        with capture.compiled(self.model) if self.compiled else nullcontext():
+            for i, new in enumerate(sampled_token_ids):
+                if len(new) == 0 or i >= len(self.req_ids):
+                    out.append([])
+                    continue
+                history = token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
+                tokens, q = self._draft(i, history)
+                out.append(tokens)
+                if q is not None:
+                    probs[i] = q
         self.last_probs = None
         if probs:
             vocab = next(iter(probs.values())).shape[-1]
@@ -155,7 +160,7 @@ class StreeProposer:
             row.history = committed
         d = drafter.draft(self.model, row.cache, torch.tensor([history[-1]]), sampling, row.generator)
         row.last = d.tree
-        if self.tree_mode:
+        if self.stree_verifies:
             q = None if d.q is None else d.q.float()
             self.drafted[rid] = DraftedTree(d.tree, q, d.mode, verifier, sampling)
             return d.tree.tokens[0, 1:].tolist(), None

@@ -25,15 +25,31 @@ from dataclasses import asdict, dataclass
 ENV = "STREE_VLLM_DRAFT"
 PROPOSER = "stree.vllm.proposer.StreeProposer"
 # keys of stree's dict; every other key is refused (no silent typos)
-KEYS = {"method", "model", "tree", "num_speculative_tokens"}
+KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens"}
 
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """stree's speculative settings inside vLLM: the draft checkpoint directory and the tree spec."""
+    """stree's speculative settings inside vLLM: the draft checkpoint directory, the tree spec, and
+    the verifier of sampled requests (None: the lossless default for the draft, stree's rule)."""
 
     model: str
     tree: str = "chain:4"
+    verifier: str | None = None
+
+    @property
+    def stree_verifies(self) -> bool:
+        """Whether stree verifies inside the engine (:mod:`stree.vllm.trees`): trees, and chains
+        under another verifier than SpS, which is what vLLM's own rejection sampler runs."""
+        return not is_chain(self.tree) or self.verifier not in (None, "sps")
+
+    def pair(self, sampling):
+        """stree's (drafter, verifier) for requests of ``sampling`` (greedy ones always verify
+        greedily); ValueError for a verifier that is not lossless with the drafter."""
+        from stree.generation import resolve
+
+        method = "chain" if is_chain(self.tree) else "tree"
+        return resolve(method, self.tree, None if sampling.is_greedy else self.verifier, sampling)
 
     def to_env(self) -> None:
         os.environ[ENV] = json.dumps(asdict(self))
@@ -84,20 +100,28 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     draft loader's error, all before any engine process starts.
     """
     from stree.generation import vocab_size
+    from stree.sampling import SamplingConfig
 
     unknown = sorted(set(config) - KEYS)
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {unknown} for method 'stree' (known: {sorted(KEYS)})")
     if not config.get("model"):
         raise ValueError("speculative_config: method 'stree' needs 'model': the draft checkpoint directory")
-    spec = DraftSpec(model=str(config["model"]), tree=str(config.get("tree", DraftSpec.tree)))
+    verifier = config.get("verifier")
+    spec = DraftSpec(model=str(config["model"]), tree=str(config.get("tree", DraftSpec.tree)),
+                     verifier=None if verifier is None else str(verifier))
     k = draft_size(spec.tree)
-    if not is_chain(spec.tree):
+    try:
+        spec.pair(SamplingConfig(temperature=1.0))
+    except ValueError as err:
+        raise ValueError(f"speculative_config['verifier']={spec.verifier!r} with tree {spec.tree!r}: {err}") from None
+    if spec.stree_verifies:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            raise ValueError(f"speculative_config['tree']={spec.tree!r}: stree verifies trees inside vLLM "
-                             "with vLLM's CPU attention backend only so far; use a chain ('chain:4') here")
+            raise ValueError(f"speculative_config tree={spec.tree!r}, verifier={spec.verifier!r}: stree verifies "
+                             "inside vLLM with vLLM's CPU attention backend only so far; use a chain "
+                             "('chain:4') with vLLM's SpS here")
     if config.get("num_speculative_tokens") not in (None, k):
         raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
                          f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")

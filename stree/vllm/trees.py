@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from stree.draft_types import Draft
-from stree.kernels.replay import conv_replay, ssm_replay
+from stree.kernels.replay import conv_replay, conv_replay_index, path_tables, ssm_replay
 from stree.kernels.tree_conv import tree_conv
 from stree.kernels.tree_scan import tree_scan
 from stree.sampling import SamplingConfig
@@ -119,6 +119,21 @@ class TreeStep:
     kv: list[tuple] = field(default_factory=list)  # (key_cache, value_cache, CacheLayout, slot_mapping)
     conv: list[tuple[int, _ConvRow]] = field(default_factory=list)
     scan: list[tuple[int, _ScanRow]] = field(default_factory=list)
+    _contexts: dict = field(default_factory=dict)
+
+    def contexts(self, metadata, block: int) -> list[tuple[TreeRow, int, torch.Tensor]]:
+        """``(tree row, sequence length, KV blocks holding it)`` per tree request of an attention
+        layer's ``metadata``; the same for every layer sharing the metadata, so built once."""
+        key = (id(metadata.block_table), block)
+        if key not in self._contexts:
+            row = {s: r for r, s in enumerate(metadata.query_start_loc.tolist()[:-1])}
+            out = []
+            for tr in self.rows.values():
+                r = row[tr.start]
+                length = int(metadata.seq_lens[r])
+                out.append((tr, length, metadata.block_table[r, :-(-length // block)].long()))
+            self._contexts[key] = out
+        return self._contexts[key]
 
     def covers(self, num_rows: int) -> bool:
         """Whether all ``num_rows`` requests of a batch (or of vLLM's decode rows, where every tree
@@ -161,17 +176,22 @@ class TreeStep:
                 regions = _regions(cache)
                 regions[(dst // block)[:, None], :, index[dst % block]] = \
                     regions[(src // block)[:, None], :, index[src % block]]
+        # each path's gather tables, built once and shared by the layers
+        paths = {start: torch.tensor([tr.path]) for start, tr in self.rows.items()}
+        tables = {}
         for start, c in self.conv:
-            path = self.rows[start].path
-            window = c.window[None].clone()
-            conv_replay(window, c.xbc[None], torch.tensor([path]))
-            a = len(path) - 1
+            window, a = c.window[None].clone(), len(self.rows[start].path) - 1
+            key = (start, window.shape[-1])
+            if key not in tables:
+                tables[key] = conv_replay_index(paths[start], window.shape[-1])
+            conv_replay(window, c.xbc[None], paths[start], index=tables[key])
             c.conv_state[c.slot, :, a:a + window.shape[-1]] = window[0]
         for start, s in self.scan:
-            path = self.rows[start].path
-            state = s.h0[None].clone()
-            ssm_replay(state, s.x[None], s.dt[None], s.A, s.B[None], torch.tensor([path]))
-            s.ssm_state[s.slots[len(path) - 1]] = state[0].to(s.ssm_state.dtype)
+            state, a = s.h0[None].clone(), len(self.rows[start].path) - 1
+            if start not in tables:
+                tables[start] = path_tables(paths[start])
+            ssm_replay(state, s.x[None], s.dt[None], s.A, s.B[None], paths[start], tables=tables[start])
+            s.ssm_state[s.slots[a]] = state[0].to(s.ssm_state.dtype)
 
 
 _current: TreeStep | None = None
@@ -199,6 +219,9 @@ class CacheLayout:
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor):
         self.key, self.value = key, value
+        # gather orders that put a block's region token-major, None where it already is
+        plain = torch.arange(key.numel()).view_as(key)
+        self.key_order, self.value_order = (None if torch.equal(i, plain) else i for i in (key, value))
 
     @classmethod
     def probe(cls, layer, block_size: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> "CacheLayout":
@@ -230,10 +253,15 @@ def _regions(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(cache.shape[0], cache.shape[1], -1)
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """(len(slots), kv_heads, head_dim) of the tokens in KV slots ``slots``."""
-    block = index.shape[0]
-    return _regions(cache)[(slots // block)[:, None], :, index[slots % block]].permute(0, 2, 1)
+def _gather(cache: torch.Tensor, index: torch.Tensor | None, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, kv_heads, length, head_dim) of the first ``length`` tokens held in ``blocks`` (in order):
+    whole blocks are copied out, then put in token-major order by ``index`` (None: already so)."""
+    regions = _regions(cache).index_select(0, blocks)  # (nb, kv_heads, block_size * head_dim)
+    if index is not None:
+        regions = regions[:, :, index.view(-1)]
+    block, head_dim = cache.shape[2], cache.shape[3]
+    kv = regions.view(len(blocks), -1, block, head_dim).transpose(0, 1).reshape(1, -1, len(blocks) * block, head_dim)
+    return kv[:, :, :length]
 
 
 def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata,
@@ -252,18 +280,12 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
         raise NotImplementedError("stree: tree verification in vLLM needs an unquantised KV cache")
     block, head_dim = key_cache.shape[2], key_cache.shape[3]
     layout = CacheLayout.probe(layer, block, head_dim, key_cache.dtype, impl.kv_cache_dtype)
-    starts = metadata.query_start_loc.tolist()
-    index = {s: r for r, s in enumerate(starts[:-1])}
     heads = query.shape[1]
-    for tr in step.rows.values():
-        r = index[tr.start]
+    for tr, length, blocks in step.contexts(metadata, block):
         m = tr.drafted.tree.num_nodes
-        length = int(metadata.seq_lens[r])
-        pos = torch.arange(length)
-        slots = metadata.block_table[r, pos // block].long() * block + pos % block
-        k, v = (_gather(c, i, slots).transpose(0, 1)[None].float()  # (1, kv_heads, L, d)
-                for c, i in ((key_cache, layout.key), (value_cache, layout.value)))
-        q = query[tr.start:tr.start + m].transpose(0, 1)[None].float()  # (1, heads, m, d)
+        k, v = (_gather(c, i, blocks, length) for c, i in ((key_cache, layout.key_order),
+                                                          (value_cache, layout.value_order)))
+        q = query[tr.start:tr.start + m].transpose(0, 1)[None]  # (1, heads, m, d)
         if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
             k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
             scores = impl.logits_soft_cap * torch.tanh(q @ k.transpose(-1, -2) * impl.scale / impl.logits_soft_cap)
@@ -304,7 +326,8 @@ def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices
         committed = F.pad(window, (1, 0))[None]  # mamba layout: width columns, the first unused
         tree = step.rows[bos].drafted.tree
         y = tree_conv(x[None, bos:eos], committed.to(x.dtype), weight, bias, tree.conv_window(width),
-                      activation="silu" if activation in ("silu", "swish", True) else None)
+                      activation="silu" if activation in ("silu", "swish", True) else None,
+                      gather_index=None if x.is_cuda else tree.conv_gather_index(width, x.shape[1]))
         out[bos:eos] = y[0]
         step.conv.append((bos, _ConvRow(conv_state, slot, window, x[bos:eos].clone())))
         handled.append(i)
@@ -324,7 +347,8 @@ def tree_state_update(ssm_state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_
         tree = step.rows[bos].drafted.tree
         y, dt_out = tree_scan(x[None, bos:eos], dt[None, bos:eos, :, 0], a_h, B[None, bos:eos], C[None, bos:eos],
                               tree.mask, D=D, dt_bias=None if dt_bias is None else dt_bias[:, 0],
-                              dt_softplus=dt_softplus, initial_states=h0[None])
+                              dt_softplus=dt_softplus, initial_states=h0[None],
+                              tables=None if x.is_cuda else tree.scan_tables())
         out[bos:eos] = y[0].to(out.dtype)
         step.scan.append((bos, _ScanRow(ssm_state, slots, h0, x[bos:eos].clone(), dt_out[0], a_h,
                                         B[bos:eos].clone())))
@@ -352,7 +376,7 @@ def _tree_proposer(runner):
     from stree.vllm.proposer import StreeProposer
 
     drafter = getattr(runner, "drafter", None)
-    return drafter if isinstance(drafter, StreeProposer) and drafter.tree_mode else None
+    return drafter if isinstance(drafter, StreeProposer) and drafter.stree_verifies else None
 
 
 def patch_trees() -> None:

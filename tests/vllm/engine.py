@@ -45,8 +45,8 @@ def _main(spec: dict) -> None:
         print(MARK + json.dumps(_with_abort(llm, prompts, params, **spec["abort"])), flush=True)
         return
     outs = llm.generate(prompts, params, use_tqdm=False)
-    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")
-                and hasattr(m, "value")}
+    counters = {m.name: m.value for m in llm.get_metrics()
+                if m.name.startswith(("vllm:spec_decode_num", "vllm:num_preemptions")) and hasattr(m, "value")}
     print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                     "texts": [o.outputs[0].text for o in outs], "spec": counters}),
           flush=True)

@@ -34,11 +34,13 @@ def test_caterpillar_equals_own_greedy(reference, draft_dirs, draft, low, high):
     assert low <= _accepted_per_step(out) <= high
 
 
-@pytest.mark.parametrize("tree", ["static:fig4a", "beam:2x3", "dyspec:8"])
-def test_other_trees_equal_own_greedy(reference, tree):
-    """STree's Fig. 4a static tree, a beam tree and DySpec's dynamic tree (its size varies per
-    step), with the shipped draft."""
-    out = _run(tree, SHIPPED_DRAFT)
+@pytest.mark.parametrize("tree, verifier", [("static:fig4a", None), ("beam:2x3", None), ("dyspec:8", None),
+                                            ("chain:4", "asps")])
+def test_other_trees_equal_own_greedy(reference, tree, verifier):
+    """STree's Fig. 4a static tree, a beam tree, DySpec's dynamic tree (its size varies per step),
+    and a chain whose sampled requests ASpS verifies (so stree verifies it in the engine, greedy
+    requests greedily), with the shipped draft."""
+    out = _run_spec({"method": "stree", "model": SHIPPED_DRAFT, "tree": tree, "verifier": verifier})
     assert out["tokens"] == reference
     assert _accepted_per_step(out) > 0
 
@@ -70,3 +72,17 @@ def test_aborted_requests_leave_no_state_behind():
     assert sorted(out) == ["0", "3", "late0", "late1"]
     want = own_greedy_of(PROMPTS + late, [GREEDY["max_tokens"]] * 6)
     assert [out["0"], out["3"], out["late0"], out["late1"]] == [want[0], want[3], want[4], want[5]]
+
+
+def test_preempted_requests_are_recomputed_exactly():
+    """A KV cache too small for the running requests (22 blocks of 256 tokens, each request also
+    holding 1 + K blocks of Mamba state): vLLM preempts running requests and later recomputes
+    them; their draft rows and tree records are given back and rebuilt (re-prefilled), and every
+    request still equals the target's own greedy decoding."""
+    prompts = [list(range(20 + i, 260 + i)) for i in range(4)]  # 240 tokens: they outgrow one block
+    spec = {"method": "stree", "model": SHIPPED_DRAFT, "tree": "caterpillar:2,2,2,2"}
+    out = engine.result(engine.run({"engine": {"model": TARGET, "speculative_config": spec,
+                                               "num_gpu_blocks_override": 22},
+                                    "prompts": prompts, "sampling": GREEDY}))
+    assert out["spec"]["vllm:num_preemptions"] > 0
+    assert out["tokens"] == own_greedy_of(prompts, [GREEDY["max_tokens"]] * 4)

@@ -129,6 +129,8 @@ def _with_spec(spec: dict) -> str:
     ({"method": "stree", "model": DRAFT, "tree": "auto"}, "does not run inside vLLM"),
     ({"method": "stree", "model": DRAFT, "tree": "chain:4", "num_speculative_tokens": 3}, "disagrees"),
     ({"method": "stree", "model": DRAFT, "trees": "chain:4"}, "unknown keys"),
+    ({"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2", "verifier": "asps"}, "needs a sampled chain"),
+    ({"method": "stree", "model": DRAFT, "verifier": "bogus"}, "unknown verifier 'bogus'"),
     ({"method": "stree"}, "needs 'model'"),
     ({"method": "stree", "model": "/nonexistent/draft"}, "not found"),
 ])

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
-from stree.vllm.trees import (CacheLayout, DraftedTree, TreeRow, TreeStep, _gather, tree_attention,
-                              tree_conv_update, tree_state_update)
+from stree.vllm.trees import (CacheLayout, DraftedTree, TreeRow, TreeStep, tree_attention, tree_conv_update,
+                              tree_state_update)
 
 PARENTS = [-1, 0, 0, 1, 1, 3, 2]
 PATH = [0, 1, 3, 5]  # the accepted path the commits use
@@ -124,6 +124,14 @@ def test_tree_attention_on_vllm_cache_and_compaction(block_size):
     step.commit()  # the path's K/V now sit at context + 0 .. context + a
     layout = CacheLayout.probe(layer, block_size, hd, torch.float32, "auto")
     moved = slot_of[context:context + len(PATH)]
-    assert torch.equal(_gather(key_cache, layout.key, moved), keys[[context + i for i in PATH]])
-    assert torch.equal(_gather(value_cache, layout.value, moved), values[[context + i for i in PATH]])
-    assert torch.equal(_gather(key_cache, layout.key, slot_of[:context]), keys[:context])  # context untouched
+    assert torch.equal(_read(key_cache, layout.key, moved), keys[[context + i for i in PATH]])
+    assert torch.equal(_read(value_cache, layout.value, moved), values[[context + i for i in PATH]])
+    assert torch.equal(_read(key_cache, layout.key, slot_of[:context]), keys[:context])  # context untouched
+
+
+def _read(cache, index, slots):
+    """(len(slots), kv_heads, head_dim) of the tokens in KV slots ``slots``, by the probed layout
+    (which the tree attention check above exercised against vLLM's own cache writes)."""
+    block = index.shape[0]
+    regions = cache.reshape(cache.shape[0], cache.shape[1], -1)
+    return regions[(slots // block)[:, None], :, index[slots % block]].permute(0, 2, 1)
