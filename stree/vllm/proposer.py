@@ -22,10 +22,13 @@ accept x with probability min(1, p(x) / q(x)), else draw from (p - q)+), lossles
 tokens were really drawn from, instead of the one-hot rule, which accepts x only with
 probability p(x).
 
-For a tree spec (:mod:`stree.vllm.trees`) the drafted tree's nodes go to vLLM flattened in
-topological order, and the tree itself (with the distributions its children were drawn from and
-the verifier for the request's sampling settings) is kept in ``drafted`` by request id, for
-stree's verification in the next step.
+Where stree verifies (:mod:`stree.vllm.trees`: a tree spec, or a chain under another verifier than
+SpS) the drafted tree's nodes go to vLLM flattened in topological order, and the tree itself (with
+the distributions its children were drawn from and the verifier for the request's sampling
+settings) is kept in ``drafted`` by request id, for stree's verification in the next step.
+
+When vLLM compiles its model (``enforce_eager=False``) the draft's levels run compiled too
+(:mod:`stree.capture`), for drafters with a static template.
 """
 from __future__ import annotations
 

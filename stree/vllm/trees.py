@@ -29,7 +29,9 @@ tree verification:
    ``conv_replay``) into the SSM slot and conv offset vLLM reads next step:
    ``num_accepted_tokens - 1 = a``.
 
-Chains (``"chain:K"``) keep vLLM's own verification (:mod:`stree.vllm.proposer`).
+Chains (``"chain:K"``) keep vLLM's own verification (:mod:`stree.vllm.proposer`) unless the
+speculative config names another verifier than SpS (``"verifier": "asps"``): a chain is a tree, so
+it then takes this path.
 """
 from __future__ import annotations
 
