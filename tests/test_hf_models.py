@@ -273,3 +273,34 @@ def test_cli_generates_from_transformers_directories(tmp, capsys):
     assert capsys.readouterr().out.split() == [f"w{int(t)}" for t in ref]
     with pytest.raises(ValueError, match="no transformers Mamba2-family class"):
         hf.load(str(tmp))
+
+
+class _UngroupedGatedNorm(torch.nn.Module):
+    """transformers < 5.20's Mamba2 / GraniteMoeHybrid gated norm: one RMS over every channel,
+    whatever ``n_groups`` (what vLLM 0.32's pinned transformers builds)."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight, self.variance_epsilon = torch.nn.Parameter(weight.clone()), eps
+
+    def forward(self, hidden_states, gate=None):
+        h = hidden_states * torch.nn.functional.silu(gate)
+        return self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def test_ungrouped_norm_of_older_transformers_is_computed_grouped(tmp):
+    """With the older ungrouped norm module and n_groups = 2, stree's view computes the grouped
+    norm: transformers 5.23's own grouped module is the oracle."""
+    from stree.hf.common import Mamba2View
+
+    model, _ = build("mamba2", tmp)
+    mixer = model.backbone.layers[0].mixer
+    assert mixer.n_groups == 2
+    grouped = mixer.norm
+    y, z = torch.randn(3, mixer.intermediate_size), torch.randn(3, mixer.intermediate_size)
+    mixer.norm = _UngroupedGatedNorm(grouped.weight.detach(), grouped.variance_epsilon)
+    view = Mamba2View(mixer, "layer 0")
+    with torch.no_grad():
+        want, ungrouped = grouped(y, z), mixer.norm(y, z)
+        close(view.norm(y, z), want, "grouped norm", atol=1e-5)
+        assert (ungrouped - want).abs().max() > 1e-2  # the old module alone computes another function

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from stree.cache import MambaLayerCache
+from stree.layers.norm import gated_rms_norm
 
 
 class Mamba2View:
@@ -55,8 +56,17 @@ class Mamba2View:
                 C.unflatten(-1, (self.ngroups, self.d_state)))
 
     def norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The module's own gated RMSNorm (``y * silu(z)``, then per-group RMS)."""
-        return self.m.norm(y, z)
+        """The module's own gated RMSNorm (``y * silu(z)``, then per-group RMS).
+
+        transformers before 5.20 (the releases vLLM 0.32 pins) built Mamba2's and
+        GraniteMoeHybrid's norm without groups: one RMS over all ``d_inner`` channels whatever
+        ``n_groups``. Later releases, mamba-ssm and vLLM take it per group of ``d_inner / n_groups``
+        channels, which is what checkpoints were trained with; stree computes that for such a
+        module when it has more than one group (a draft then matches a vLLM target)."""
+        norm = self.m.norm
+        if self.ngroups > 1 and not hasattr(norm, "group_size") and not hasattr(norm, "n_groups"):
+            return gated_rms_norm(y, z, norm.weight, None, norm.variance_epsilon, self.d_inner // self.ngroups)
+        return norm(y, z)
 
     def allocate_cache(self, batch_size: int, *, dtype=None, device=None) -> MambaLayerCache:
         w = self.conv1d.weight

@@ -85,7 +85,7 @@ class StreeProposer:
         # the lossless verifier, depends only on whether the request samples
         self.pairs = {greedy: spec.pair(sampling) for greedy, sampling
                       in ((True, GREEDY), (False, SamplingConfig(temperature=1.0)))}
-        self.drafted: dict[str, DraftedTree] = {}  # tree mode: each request's last tree
+        self.drafted: dict[str, DraftedTree] = {}  # where stree verifies: each request's last tree
         # vLLM compiles its model unless enforce_eager; the draft's levels follow, where the tree
         # has a static template (one graph per level width, as stree's own compile=True)
         self.compiled = (not vllm_config.model_config.enforce_eager

@@ -285,9 +285,9 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     heads = query.shape[1]
     for tr, length, blocks in step.contexts(metadata, block):
         m = tr.drafted.tree.num_nodes
-        k, v = (_gather(c, i, blocks, length) for c, i in ((key_cache, layout.key_order),
-                                                          (value_cache, layout.value_order)))
-        q = query[tr.start:tr.start + m].transpose(0, 1)[None]  # (1, heads, m, d)
+        k, v = (_gather(c, i, blocks, length).float() for c, i in ((key_cache, layout.key_order),
+                                                                  (value_cache, layout.value_order)))
+        q = query[tr.start:tr.start + m].transpose(0, 1)[None].float()  # (1, heads, m, d), fp32 math
         if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
             k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
             scores = impl.logits_soft_cap * torch.tanh(q @ k.transpose(-1, -2) * impl.scale / impl.logits_soft_cap)

@@ -95,4 +95,7 @@ def test_stree_equals_vllm_greedy_with_three_drafts(tmp_path, build):
         counts = out["spec"]
         assert counts["vllm:spec_decode_num_drafts"] > 0  # it speculated
         accepted[draft] = counts["vllm:spec_decode_num_accepted_tokens"] / counts["vllm:spec_decode_num_drafts"]
+    # the target's own weights: every level of the depth-3 tree accepted (for Mamba2 and
+    # GraniteMoeHybrid only since stree groups the gated norm that transformers < 5.20 did not)
+    assert accepted["target"] >= 2.9
     assert accepted["target"] > accepted["unrelated"]
