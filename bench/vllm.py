@@ -4,13 +4,13 @@
 
 Per prompt set, temperature and batch size (1: one request at a time; 4: four concurrent requests),
 each method runs in its own engine (a child process, as vLLM needs; start-up is not timed), after
-one warm-up request. Engines run in vLLM's default mode, which compiles the model
-(``enforce_eager=False``; stree's proposer then compiles the draft's levels too), about twice as
-fast on this CPU as ``--enforce-eager``, which reproduces eager runs: tokens/s (new tokens over wall time of the timed requests), tau (tokens per
-target call: 1 + accepted / drafts, from vLLM's counters) and mean per-request latency. At T = 0 each
-method's tokens are compared with vLLM's own decoding ("exact"). Methods run one after another in
-the same process tree, so compare them within one run; run it on a quiet machine. Results go to
-``bench/results/vllm_<device>_<date>.{csv,json}``.
+one warm-up request: tokens/s (new tokens over wall time of the timed requests), tau (tokens per
+target call: 1 + accepted / drafts, from vLLM's counters) and mean per-request latency. Engines
+run in vLLM's default mode, which compiles the model (``enforce_eager=False``; stree's proposer
+then compiles the draft's levels too), 1.3-1.7x faster on this CPU than ``--enforce-eager``, which
+reproduces eager runs. At T = 0 each method's tokens are compared with vLLM's own decoding
+("exact"). Methods run one after another in the same process tree, so compare them within one run;
+run it on a quiet machine. Results go to ``bench/results/vllm_<device>_<date>.{csv,json}``.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def _engine(args) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(args.child)
-    llm = LLM(model=spec["target"], dtype="float32", enforce_eager=spec["enforce_eager"], max_model_len=1024, max_num_seqs=4,
-              seed=0, kv_cache_memory_bytes=1 << 29, disable_log_stats=False,
+    llm = LLM(model=spec["target"], dtype="float32", enforce_eager=spec["enforce_eager"], max_model_len=1024,
+              max_num_seqs=4, seed=0, kv_cache_memory_bytes=1 << 29, disable_log_stats=False,
               speculative_config=spec["speculative_config"])
 
     def counters():
@@ -104,8 +104,9 @@ def main(argv=None) -> int:
         reference = None
         for method in args.methods:
             spec_config = METHODS[method] and json.loads(json.dumps(METHODS[method]).replace("{draft}", args.draft))
-            child = dict(target=args.target, speculative_config=spec_config, prompts=prompts, enforce_eager=args.enforce_eager,
-                         temperatures=args.temperatures, batches=args.batches, max_new_tokens=args.max_new_tokens)
+            child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
+                         enforce_eager=args.enforce_eager, temperatures=args.temperatures, batches=args.batches,
+                         max_new_tokens=args.max_new_tokens)
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
                                   capture_output=True, text=True)
             if proc.returncode:
@@ -118,7 +119,8 @@ def main(argv=None) -> int:
                 same = reference and (c["temperature"] == 0) and c["tokens"] == reference.get((0.0, c["batch"]))
                 base = next((r for r in rows if r["prompts"] == name and r["method"] == "ar"
                              and r["temperature"] == c["temperature"] and r["batch"] == c["batch"]), None)
-                row = dict(meta, prompts=name, method=method, vllm_mode="eager" if args.enforce_eager else "compiled",
+                row = dict(meta, prompts=name, method=method,
+                           vllm_mode="eager" if args.enforce_eager else "compiled",
                            temperature=c["temperature"], batch=c["batch"],
                            new_tokens=c["new_tokens"], tokens_per_s=round(c["tokens_per_s"], 1),
                            speedup=round(c["tokens_per_s"] / base["tokens_per_s"], 3) if base else 1.0,

@@ -35,6 +35,9 @@ class Mamba2View:
         self.ngroups, self.d_state = m.n_groups, m.ssm_state_size
         self.d_inner, self.conv_dim, self.d_conv = m.intermediate_size, m.conv_dim, m.conv_kernel_size
         self.chunk_size = m.chunk_size
+        # an ungrouped gated norm of transformers < 5.20 with several groups (see ``norm``)
+        self.regroup_norm = (self.ngroups > 1 and not hasattr(m.norm, "group_size")
+                             and not hasattr(m.norm, "n_groups"))
         limit = tuple(float(v) for v in m.time_step_limit)
         self.dt_limit = limit
         self.activation = "silu"
@@ -64,7 +67,7 @@ class Mamba2View:
         channels, which is what checkpoints were trained with; stree computes that for such a
         module when it has more than one group (a draft then matches a vLLM target)."""
         norm = self.m.norm
-        if self.ngroups > 1 and not hasattr(norm, "group_size") and not hasattr(norm, "n_groups"):
+        if self.regroup_norm:
             return gated_rms_norm(y, z, norm.weight, None, norm.variance_epsilon, self.d_inner // self.ngroups)
         return norm(y, z)
 

@@ -180,19 +180,18 @@ class TreeStep:
                     regions[(src // block)[:, None], :, index[src % block]]
         # each path's gather tables, built once and shared by the layers
         paths = {start: torch.tensor([tr.path]) for start, tr in self.rows.items()}
-        tables = {}
+        conv_index: dict[tuple[int, int], torch.Tensor] = {}  # (row, window width) -> index
         for start, c in self.conv:
             window, a = c.window[None].clone(), len(self.rows[start].path) - 1
-            key = (start, window.shape[-1])
-            if key not in tables:
-                tables[key] = conv_replay_index(paths[start], window.shape[-1])
-            conv_replay(window, c.xbc[None], paths[start], index=tables[key])
-            c.conv_state[c.slot, :, a:a + window.shape[-1]] = window[0]
+            w = window.shape[-1]
+            if (start, w) not in conv_index:
+                conv_index[start, w] = conv_replay_index(paths[start], w)
+            conv_replay(window, c.xbc[None], paths[start], index=conv_index[start, w])
+            c.conv_state[c.slot, :, a:a + w] = window[0]
+        scan_tables = {start: path_tables(p) for start, p in paths.items()} if self.scan else {}
         for start, s in self.scan:
             state, a = s.h0[None].clone(), len(self.rows[start].path) - 1
-            if start not in tables:
-                tables[start] = path_tables(paths[start])
-            ssm_replay(state, s.x[None], s.dt[None], s.A, s.B[None], paths[start], tables=tables[start])
+            ssm_replay(state, s.x[None], s.dt[None], s.A, s.B[None], paths[start], tables=scan_tables[start])
             s.ssm_state[s.slots[a]] = state[0].to(s.ssm_state.dtype)
 
 
@@ -326,10 +325,10 @@ def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices
         offset = int(num_accepted_tokens[i]) - 1
         window = conv_state[slot, :, offset:offset + width - 1].clone()
         committed = F.pad(window, (1, 0))[None]  # mamba layout: width columns, the first unused
-        tree = step.rows[bos].drafted.tree
-        y = tree_conv(x[None, bos:eos], committed.to(x.dtype), weight, bias, tree.conv_window(width),
+        tables = step.rows[bos].drafted.tree.conv_scan_tables(width, x.shape[1])  # cached on the template
+        y = tree_conv(x[None, bos:eos], committed.to(x.dtype), weight, bias, tables["window"],
                       activation="silu" if activation in ("silu", "swish", True) else None,
-                      gather_index=None if x.is_cuda else tree.conv_gather_index(width, x.shape[1]))
+                      gather_index=tables["gather"])
         out[bos:eos] = y[0]
         step.conv.append((bos, _ConvRow(conv_state, slot, window, x[bos:eos].clone())))
         handled.append(i)
