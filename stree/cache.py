@@ -459,24 +459,38 @@ class StatePool:
         first = next(iter(self.layers.values()))
         return first.conv_state if isinstance(first, MambaLayerCache) else first.k
 
-    def cache(self, slots) -> TreeCache:
+    def cache(self, slots, seqlens: list[int] | None = None) -> TreeCache:
         """A :class:`TreeCache` whose batch row r lives in pool slot ``slots[r]``.
 
         Args:
             slots: ``(b,)`` integer tensor (or list) of distinct slots in ``[0, num_slots)``; read
-                on the host once, here. The rows start empty: their slots' Mamba states are
-                zeroed; every other slot is untouched, and stays so through every step of the
-                cache (prefill, tree_forward, level_forward, commit, reset).
+                on the host once, here. Every other slot is untouched, and stays so through
+                every step of the cache (prefill, tree_forward, level_forward, commit, reset).
+            seqlens: None: the rows start empty (their slots' Mamba states are zeroed). Else
+                ``b`` ints: slot ``slots[r]`` already holds the state of ``seqlens[r]`` committed
+                tokens (left there by an earlier cache over it), and row r resumes from it with
+                nothing zeroed: how a caller regroups sequences from step to step (an engine's
+                changing batch).
         Raises:
-            ValueError: ``slots`` not a 1-D integer sequence, out of range, or repeated.
+            ValueError: ``slots`` not a 1-D integer sequence, out of range, or repeated;
+                ``seqlens`` of another length than ``slots``, or outside ``[0, max_seqlen]``.
         """
         slots = _check_slots(slots, self.num_slots)
         b, first = len(slots), slots[0]
+        if seqlens is not None:
+            seqlens = [int(s) for s in seqlens]
+            if len(seqlens) != b or not all(0 <= s <= self.max_seqlen for s in seqlens):
+                raise ValueError(f"seqlens must hold one length in [0, {self.max_seqlen}] per slot "
+                                 f"({b}), got {seqlens}")
         if slots == list(range(first, first + b)):  # a contiguous run: views, no index
             cache = TreeCache(self, b, first=first)
         else:
             cache = TreeCache(self, b, slots=torch.tensor(slots, dtype=torch.long, device=self.device))
-        cache.reset()
+        if seqlens is None:
+            cache.reset()
+        else:
+            cache.seqlens = seqlens
+            cache.lengths = torch.tensor(seqlens, dtype=torch.long, device=self.device)
         return cache
 
 

@@ -178,6 +178,15 @@ class TokenTree:
                     gather=self.conv_gather_index(width, channels) if cpu else None,
                     scan=self.scan_tables() if cpu else None)
 
+    def row(self, r: int) -> "TokenTree":
+        """Row ``r`` as a one-row tree. Its structure and tables are built once per tree and
+        row, and shared by every tree made from this one by :meth:`with_tokens` (a drafter's
+        template), so a row of a batched draft costs nothing step after step."""
+        key = ("row", r)
+        if key not in self._windows:
+            self._windows[key] = TokenTree(self.tokens[r:r + 1], self.parents[r:r + 1])
+        return self._windows[key].with_tokens(self.tokens[r:r + 1], trusted=True)
+
     def children(self, row: int, node: int) -> list[int]:
         """Children of ``node`` in row ``row``, in index (= draft) order. Host-side helper."""
         if self._children is None:

@@ -53,6 +53,21 @@ def test_compiled_verify_step_matches_eager():
         assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
 
 
+def test_two_models_of_one_shape_each_run_their_own_compiled_graph():
+    """Inductor freezes a model's weights into its graph, and the steps skip dynamo's guards on
+    modules: two models of the same shapes (different weights) compiled in one process must
+    each get their own graphs, never the other's."""
+    torch.manual_seed(0)
+    a, b = _model(), stree.patch(make_hybrid((1,), seed=8))
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 5)), PARENTS)
+    eager = [m.tree_forward(tree, _prefilled(m)) for m in (a, b)]
+    assert not torch.allclose(eager[0], eager[1])
+    with capture.compiled(a, b):
+        compiled = [m.tree_forward(tree, _prefilled(m)) for m in (a, b)]
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+
+
 def test_compiled_draft_levels_match_eager(monkeypatch):
     """Every level of a draft and the commit's level through the same fullgraph capture (a
     backend with no C++ compilation keeps it fast), then the committed states."""

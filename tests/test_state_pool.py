@@ -147,6 +147,47 @@ def test_two_caches_over_one_pool_advance_independently():
     _check_others_untouched(pool, before, [4, 0, 2], "both caches")
 
 
+def test_rows_resume_at_their_lengths_in_a_new_grouping():
+    """An engine regroups its sequences from step to step: two one-row caches prefill different
+    lengths into their slots, then one cache over both slots resumes them at their lengths
+    (``seqlens``: nothing zeroed), drafts level by level and commits, and runs a tree: all equal
+    to an ordinary cache that held both rows throughout; every other slot untouched."""
+    torch.manual_seed(3)
+    model = _hybrid()
+    pool = _sentinel_pool(model, 6)
+    before = {k: t.clone() for k, t in _tensors(pool.layers).items()}
+    slots, prompts = [4, 1], [torch.randint(0, VOCAB, (5,)), torch.randint(0, VOCAB, (9,))]
+    for slot, prompt in zip(slots, prompts):
+        model.prefill(prompt[None], pool.cache([slot]))
+    ref = model.allocate_tree_cache(2, MAX_SEQLEN)
+    model.prefill(prompts, ref)
+    cache = pool.cache(slots, seqlens=[5, 9])
+    _check_rows_equal(cache, pool, slots, ref, "resumed")
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 7)), PARENTS)
+    for s, e in LEVELS:
+        prefix = TokenTree(tree.tokens[:, :e], PARENTS[:, :e])
+        _same(forward_level(model, cache, prefix, s, e, capacity=7),
+              forward_level(model, ref, prefix, s, e, capacity=7), f"level {s}:{e} logits")
+    path, counts = torch.tensor([[0, 2, 4, 6], [0, -1, -1, -1]]), [4, 1]
+    for c in (cache, ref):
+        assert commit_draft(model, c, tree, path, counts, [6, 0], lambda node: node < 5)
+    _check_rows_equal(cache, pool, slots, ref, "level commit")
+    tree = TokenTree(torch.randint(0, VOCAB, (2, 7)), PARENTS)
+    _same(model.tree_forward(tree, cache), model.tree_forward(tree, ref), "tree_forward logits")
+    _check_others_untouched(pool, before, slots, "resumed rows")
+
+
+@pytest.mark.parametrize("seqlens, match", [([3], "one length in"), ([-1, 0], r"\[0, 48\]"),
+                                            ([MAX_SEQLEN + 1, 0], r"got \[49, 0\]")])
+def test_bad_seqlens_are_refused_and_lose_nothing(seqlens, match):
+    model = _hybrid()
+    pool = _sentinel_pool(model, 4)
+    before = {k: t.clone() for k, t in _tensors(pool.layers).items()}
+    with pytest.raises(ValueError, match=match):
+        pool.cache([1, 2], seqlens=seqlens)
+    _check_others_untouched(pool, before, [], "refused seqlens")
+
+
 @pytest.mark.parametrize("slots, match", [
     ([0, 7], r"slots \[7\] out of range for a pool of 7 slots"),
     (torch.tensor([-1, 2]), r"slots \[-1\] out of range"),

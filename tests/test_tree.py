@@ -104,3 +104,18 @@ def test_level_runs_stop_at_each_layers_last_inner_node():
     assert level_runs([-1]) == []
     assert level_runs(parents_caterpillar([3, 2, 2])) == [(0, 1), (1, 2), (4, 5)]  # spines only
     assert level_runs(parents_from_widths([4, 4, 2, 2])) == [(0, 1), (1, 5), (5, 7), (9, 11)]
+
+
+def test_row_is_that_row_alone_and_shared_by_a_templates_trees():
+    """``tree.row(r)``: row r as a one-row tree (its own depth, paths, mask, children); trees made
+    from one template by ``with_tokens`` share the row's structure (built once)."""
+    parents = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4]]  # a tree beside a deeper chain
+    template = TokenTree(torch.arange(12).view(2, 6), parents)
+    for r in range(2):
+        row, alone = template.row(r), TokenTree(torch.arange(6 * r, 6 * r + 6), parents[r])
+        for name in ("tokens", "parents", "depth", "mask", "paths"):
+            assert torch.equal(getattr(row, name), getattr(alone, name)), name
+        assert row.max_depth == alone.max_depth and row.children(0, 1) == alone.children(0, 1)
+    other = template.with_tokens(torch.arange(12, 24).view(2, 6))
+    assert other.row(1).tokens.tolist() == [list(range(18, 24))]
+    assert other.row(1).mask is template.row(1).mask  # one structure per template and row

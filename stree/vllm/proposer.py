@@ -3,16 +3,21 @@
 vLLM's model runner calls ``propose`` once per step with every running request's token history;
 each request keeps one row (slot) of the draft's :class:`~stree.cache.StatePool`, keyed by vLLM's
 request id, holding the draft state of the committed sequence up to (not including) its last
-token. A step advances that state over the tokens committed since the last step (the previous
-root, the accepted draft tokens): from the activations the last draft kept (stree's commit by
-replay) when they are a root path of the last drafted tree, else by running them through the
-draft; then it drafts from the new last token (the root, which neither model has run). Dynamic
-drafters keep the calibration they start with: their online update (``Drafter.observe``) reads
-the drafter's last batch, which here is another request's. Rows belong to the requests of the
-current batch: a request that left it (finished, aborted or preempted) gives its slot back, and
-one whose history no longer extends what its slot holds (preempted and recomputed, or an id
-reused) is re-prefilled. :func:`patch_runner` passes vLLM's request ids and sampling parameters in, since
-vLLM's custom-proposer call does not carry them.
+token. A step first advances those states over the tokens committed since the last step (the
+previous root, the accepted draft tokens): from the activations the last draft kept (stree's
+commit by replay, one commit per draft batch) when they are a root path of the request's last
+tree, else by running them through the draft (a new request's prompt, a request whose history
+no longer extends its slot's: preempted and recomputed, or an id reused). Then it drafts from each
+request's new last token (the root, which neither model has run), **batched across requests**:
+one draft call per sampling setting (all greedy requests together, all sampled requests of one
+temperature / top-k / top-p together), the rows resuming from their slots at their own lengths
+(``StatePool.cache(slots, seqlens)``). A sampled request with its own seed drafts alone, with a
+generator seeded from it, so that its draft tokens do not depend on its batch-mates. Dynamic
+drafters keep the calibration they start with: their online update (``Drafter.observe``) would
+read several requests' trees as one. Rows belong to the requests of the current batch: a request
+that left it (finished, aborted or preempted) gives its slot back. :func:`patch_runner` passes
+vLLM's request ids and sampling parameters in, since vLLM's custom-proposer call does not carry
+them.
 
 A greedy request gets the draft's argmax chain. A sampled one gets a chain drawn from the draft's
 distribution under the request's own temperature, top-k and top-p, and the distributions each
@@ -28,17 +33,23 @@ the distributions its children were drawn from and the verifier for the request'
 settings) is kept in ``drafted`` by request id, for stree's verification in the next step.
 
 When vLLM compiles its model (``enforce_eager=False``) the draft's levels run compiled too
-(:mod:`stree.capture`), for drafters with a static template.
+(:mod:`stree.capture`), for drafters with a static template: a draft batch is padded to the next
+of a few sizes (powers of two up to ``max_num_seqs``) with scratch rows, and one graph per size
+and level width is compiled when vLLM loads the model (:meth:`StreeProposer.load_model`), as
+vLLM captures its own graphs at start-up, not in the middle of serving.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from stree import capture
+from stree.cache import TreeCache
 from stree.draft.base import commit_draft
 from stree.sampling import SamplingConfig
+from stree.tree import TokenTree
 from stree.vllm.speculative import DraftSpec, draft_size, load_draft
 from stree.vllm.trees import DraftedTree
 
@@ -46,17 +57,28 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 
 class _Row:
-    """One request's slot, the history its draft state has committed, and the generator its
-    draft tokens are drawn with (seeded from the request's seed, if it has one)."""
+    """One request's slot, the history its draft state has committed, and for a sampled request
+    with its own seed the generator its draft tokens are drawn with."""
 
-    def __init__(self, slot: int, cache, seed: int | None):
-        self.slot, self.cache, self.history = slot, cache, []
-        self.last = None  # the tree last drafted from this row's cache (its activations are kept)
-        self.generator = torch.Generator()
+    def __init__(self, rid: str, slot: int, seed: int | None):
+        self.rid, self.slot, self.history = rid, slot, []
+        self.generator = None
         if seed is not None:
+            self.generator = torch.Generator()
             self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+
+
+@dataclass
+class _Batch:
+    """One draft call of the last step: the cache over its rows' slots (holding the activations
+    its commit replays), the tree it drafted (one row per cache row), whether the draft ran each
+    node (read when it was drafted: a dynamic drafter's answer changes with its next draft), and
+    each row's request (None: a scratch row padding the batch)."""
+
+    cache: TreeCache
+    tree: TokenTree
+    ran: list[bool]
+    rows: list[_Row | None]
 
 
 def sampling_of(params) -> SamplingConfig:
@@ -67,6 +89,15 @@ def sampling_of(params) -> SamplingConfig:
     if params is None or params.sampling_type == SamplingType.GREEDY:
         return GREEDY
     return SamplingConfig(params.temperature, max(params.top_k, 0), params.top_p)
+
+
+def batch_sizes(max_num_seqs: int) -> list[int]:
+    """The draft batch sizes compiled for an engine of ``max_num_seqs``: powers of two below it,
+    and itself."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return sizes + [max_num_seqs] if max_num_seqs > 1 else sizes
 
 
 class StreeProposer:
@@ -87,18 +118,40 @@ class StreeProposer:
                       in ((True, GREEDY), (False, SamplingConfig(temperature=1.0)))}
         self.drafted: dict[str, DraftedTree] = {}  # where stree verifies: each request's last tree
         # vLLM compiles its model unless enforce_eager; the draft's levels follow, where the tree
-        # has a static template (one graph per level width, as stree's own compile=True)
+        # has a static template (one graph per level width and batch size, as stree's compile=True)
         self.compiled = (not vllm_config.model_config.enforce_eager
                          and all(drafter.layered for drafter, _ in self.pairs.values()))
         slots = vllm_config.scheduler_config.max_num_seqs
-        self.pool = self.model.allocate_state_pool(slots, vllm_config.model_config.max_model_len + self.k + 1)
+        self.sizes = batch_sizes(slots) if self.compiled else None
+        # scratch slots after the requests' ones pad a draft batch up to a compiled size
+        pad = max((b - a - 1 for a, b in zip(self.sizes, self.sizes[1:])), default=0) if self.compiled else 0
+        self.pool = self.model.allocate_state_pool(slots + pad, vllm_config.model_config.max_model_len + self.k + 1)
         self.free = list(range(slots))
+        self.scratch = list(range(slots, slots + pad))
+        self.generator = torch.Generator()  # draws of sampled requests without a seed of their own
+        self.generator.seed()
         self.rows: dict[str, _Row] = {}
+        self.batches: list[_Batch] = []  # the last step's draft calls, committed by the next step
         self.req_ids: list[str] = []
         self.params: list = []  # this step's SamplingParams, in batch order
         self.last_probs: torch.Tensor | None = None  # (num_reqs, K, vocab) of the last propose
 
-    # -- lifecycle (from patch_runner) ------------------------------------------------------------
+    # -- lifecycle (from vLLM and patch_runner) ---------------------------------------------------
+    @torch.inference_mode()
+    def load_model(self, *args) -> None:
+        """Called by vLLM at start-up with the target (the draft is ours): compile the draft's
+        levels for every padded batch size now, on free slots (a request's first draft zeroes
+        its slot)."""
+        if not self.compiled:
+            return
+        drafter, _ = self.pairs[True]
+        with capture.compiled(self.model):
+            for size in self.sizes:  # a run of slots (views of the pool) and scattered slots
+                for slots in {tuple(range(size)), tuple(range(size))[::-1]}:
+                    cache = self.pool.cache(list(slots))
+                    self.model.prefill(torch.zeros(size, 2, dtype=torch.long), cache)
+                    drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY)
+
     def bind(self, req_ids, params=None) -> None:
         """This step's batch order (vLLM's ``input_batch.req_ids``) and each request's
         ``SamplingParams`` (None: greedy); rows of requests no longer in the batch are released
@@ -118,26 +171,28 @@ class StreeProposer:
         probs, self.last_probs = self.last_probs, None
         return probs
 
-    def load_model(self, *args) -> None:  # vLLM calls this with the target; the draft is ours
-        pass
-
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs) -> list[list[int]]:
         """``sampled_token_ids[i]``: tokens request ``i`` gained this step (empty while its prompt
         is still being prefilled); ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` its whole
         sequence. Returns ``K`` draft tokens per request ([] where nothing is drafted)."""
-        out, probs = [], {}
+        histories = {i: token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
+                     for i, new in enumerate(sampled_token_ids) if len(new) and i < len(self.req_ids)}
+        out, probs = [[] for _ in sampled_token_ids], {}
         with capture.compiled(self.model) if self.compiled else nullcontext():
-            for i, new in enumerate(sampled_token_ids):
-                if len(new) == 0 or i >= len(self.req_ids):
-                    out.append([])
-                    continue
-                history = token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
-                tokens, q = self._draft(i, history)
-                out.append(tokens)
-                if q is not None:
-                    probs[i] = q
+            self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()})
+            groups: dict[object, list[int]] = {}
+            for i in histories:
+                sampling = sampling_of(self.params[i])
+                row = self.rows[self.req_ids[i]]
+                key = ("seed", row.rid) if row.generator is not None and not sampling.is_greedy else sampling
+                groups.setdefault(key, []).append(i)
+            for members in groups.values():
+                for i, (tokens, q) in zip(members, self._draft(members, [histories[i][-1] for i in members])):
+                    out[i] = tokens
+                    if q is not None:
+                        probs[i] = q
         self.last_probs = None
         if probs:
             vocab = next(iter(probs.values())).shape[-1]
@@ -146,51 +201,87 @@ class StreeProposer:
                 self.last_probs[i] = q
         return out
 
-    def _draft(self, i: int, history: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """Request ``i``'s K draft tokens and, if sampled, the ``(K, vocab)`` distributions they
-        were drawn from."""
-        rid, params = self.req_ids[i], self.params[i]
-        row = self.rows.get(rid)
-        committed = history[:-1]
-        if row is None or row.history != committed[:len(row.history)]:
-            row = self._reset(rid, row, getattr(params, "seed", None))
-        todo = committed[len(row.history):]
-        sampling = sampling_of(params)
-        drafter, verifier = self.pairs[sampling.is_greedy]
-        if todo:
-            if not self._commit_drafted(row, todo, drafter):
-                self.model.prefill(torch.tensor([todo]), row.cache)
-            row.history = committed
-        d = drafter.draft(self.model, row.cache, torch.tensor([history[-1]]), sampling, row.generator)
-        row.last = d.tree
-        if self.stree_verifies:
-            q = None if d.q is None else d.q.float()
-            self.drafted[rid] = DraftedTree(d.tree, q, d.mode, verifier, sampling)
-            return d.tree.tokens[0, 1:].tolist(), None
-        q = None if sampling.is_greedy else d.q[0, :self.k].float()  # node j's children: token j + 1
-        return d.tree.tokens[0, 1:].tolist(), q
+    def _catch_up(self, committed: dict[str, list[int]]) -> None:
+        """Bring each request's slot to its ``committed`` tokens (its history less the root).
 
-    def _commit_drafted(self, row: _Row, todo: list[int], drafter) -> bool:
-        """Advance the row's draft state over ``todo`` (last step's root and the drafts the
-        target accepted) from the activations the last draft kept, as stree's own loop does,
-        instead of running the tokens through the draft again. False when ``todo`` is not a
-        root path of the last tree (the caller prefills)."""
-        tree, row.last = row.last, None
-        if tree is None:
-            return False
-        tokens, path = tree.tokens[0].tolist(), [0]
-        if tokens[0] != todo[0]:
-            return False
+        The last step's draft batches commit first, each row along its request's accepted path
+        (rows of requests that left, or whose tokens are no root path of their tree, commit
+        nothing): a batch's commit rewrites all its rows' slots, so it must precede any reset.
+        Then new and diverged rows start over, and every row still behind is prefilled."""
+        for batch in self.batches:
+            paths = [self._accepted(batch, r, row, committed) for r, row in enumerate(batch.rows)]
+            counts = [len(p) for p in paths]
+            if not any(counts):
+                continue
+            width = max(counts)
+            path = torch.tensor([p + [-1] * (width - len(p)) for p in paths])
+            if commit_draft(self.model, batch.cache, batch.tree, path, counts, [p[-1] if p else -1 for p in paths],
+                            batch.ran.__getitem__):
+                for row, p in zip(batch.rows, paths):
+                    if p:
+                        row.history = committed[row.rid][:len(row.history) + len(p)]
+        self.batches = []
+        behind = []
+        for rid, tokens in committed.items():
+            row = self.rows.get(rid)
+            if row is None or row.history != tokens[:len(row.history)]:
+                row = self._reset(rid, row)
+            if len(row.history) < len(tokens):
+                behind.append(row)
+        if behind:
+            cache = self.pool.cache([row.slot for row in behind], [len(row.history) for row in behind])
+            self.model.prefill([torch.tensor(committed[row.rid][len(row.history):]) for row in behind], cache)
+            for row in behind:
+                row.history = committed[row.rid]
+
+    def _accepted(self, batch: _Batch, r: int, row: _Row | None, committed: dict[str, list[int]]) -> list[int]:
+        """The root path of ``batch``'s tree row ``r`` spelling the tokens its request committed
+        since it was drafted; [] when there is none (or the row's request is gone)."""
+        if row is None or self.rows.get(row.rid) is not row or row.rid not in committed:
+            return []
+        todo = committed[row.rid][len(row.history):]
+        tokens = batch.tree.tokens[r].tolist()
+        if not todo or todo[0] != tokens[0] or row.history != committed[row.rid][:len(row.history)]:
+            return []
+        path = [0]
         for token in todo[1:]:
-            child = next((c for c in tree.children(0, path[-1]) if tokens[c] == token), None)
+            child = next((c for c in batch.tree.children(r, path[-1]) if tokens[c] == token), None)
             if child is None:
-                return False
+                return []
             path.append(child)
-        return commit_draft(self.model, row.cache, tree, torch.tensor([path]), [len(path)], [path[-1]], drafter.ran)
+        return path
 
-    def _reset(self, rid: str, row: _Row | None, seed: int | None) -> _Row:
+    def _draft(self, members: list[int], roots: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """One draft call for the requests at batch indices ``members`` (one sampling setting),
+        from their ``roots``: per request its K draft tokens and, if sampled under vLLM's
+        verification, the ``(K, vocab)`` distributions they were drawn from."""
+        rows = [self.rows[self.req_ids[i]] for i in members]
+        sampling = sampling_of(self.params[members[0]])
+        drafter, verifier = self.pairs[sampling.is_greedy]
+        pad = 0 if self.sizes is None else next(s for s in self.sizes if s >= len(rows)) - len(rows)
+        cache = self.pool.cache([row.slot for row in rows] + self.scratch[:pad],
+                                [len(row.history) for row in rows] + [0] * pad)
+        generator = None if sampling.is_greedy else rows[0].generator or self.generator
+        d = drafter.draft(self.model, cache, torch.tensor(roots + [0] * pad), sampling, generator)
+        self.batches.append(_Batch(cache, d.tree, [drafter.ran(j) for j in range(d.tree.num_nodes)],
+                                   rows + [None] * pad))
+        out = []
+        for r, row in enumerate(rows):
+            tokens = d.tree.tokens[r, 1:].tolist()
+            if self.stree_verifies:
+                q = None if d.q is None else d.q[r:r + 1].float()
+                self.drafted[row.rid] = DraftedTree(d.tree.row(r), q, d.mode, verifier, sampling)
+                out.append((tokens, None))
+            else:  # node j's children: token j + 1
+                out.append((tokens, None if sampling.is_greedy else d.q[r, :self.k].float()))
+        return out
+
+    def _reset(self, rid: str, row: _Row | None) -> _Row:
+        """A fresh row for ``rid`` (its old slot, or a free one), its slot zeroed."""
         slot = row.slot if row is not None else self.free.pop()
-        row = _Row(slot, self.pool.cache([slot]), seed)  # zeroes the slot's state
+        params = self.params[self.req_ids.index(rid)]
+        row = _Row(rid, slot, getattr(params, "seed", None))
+        self.pool.cache([slot])  # zeroes the slot's state
         self.rows[rid] = row
         return row
 

@@ -17,7 +17,8 @@ tree verification:
    first when the batch holds other rows.
 3. Mamba2 (vLLM's decode ops ``causal_conv1d_update`` / ``selective_state_update``): tree rows run
    stree's ``tree_conv`` and ``tree_scan`` from the committed state; nothing is written, and the
-   activations the commit needs are kept (:class:`_ConvRow`, :class:`_ScanRow`). Other rows, if
+   activations the commit needs are kept (:class:`_ConvGroup`, :class:`_ScanGroup`); requests whose
+   trees have one shape run as one batch (:class:`TreeGroup`). Other rows, if
    any, go to vLLM's op with the tree rows masked out (their state index set to vLLM's null block).
 4. ``GPUModelRunner._sample``: stree's verifier on each tree (the lossless rule for the request's
    sampling settings and the draft's mode) gives the accepted path; the request's output row
@@ -81,35 +82,63 @@ class TreeRow:
     drafted: DraftedTree
     generator: torch.Generator | None
     path: list[int] | None = None
-    _allowed: torch.Tensor | None = None
-
-    def allowed(self, length: int) -> torch.Tensor:
-        """(m, length) bool attention mask of the tree's queries over a request of ``length``
-        tokens: the context, then each node's ancestors (itself included). Built once per step."""
-        if self._allowed is None or self._allowed.shape[1] != length:
-            m = self.drafted.tree.num_nodes
-            self._allowed = torch.ones(m, length, dtype=torch.bool)
-            self._allowed[:, length - m:] = self.drafted.tree.mask[0].cpu()
-        return self._allowed
 
 
 @dataclass
-class _ConvRow:
+class TreeGroup:
+    """The tree requests of a step whose trees have one shape (the same parent list): every layer
+    runs them as one batch. ``index (b, n)``: the query token index of each row's nodes;
+    ``tree``: a template of that shape for ``b`` rows, whose tables (conv windows, scan masks)
+    every layer reads, built once per shape and batch size (its tokens mean nothing)."""
+
+    rows: list[TreeRow]
+    index: torch.Tensor
+    tree: TokenTree
+    _paths: torch.Tensor | None = None
+
+    def paths(self) -> torch.Tensor:
+        """``(b, k)`` the verified paths, root first, -1 padded (after :meth:`TreeStep.verify`)."""
+        if self._paths is None:
+            k = max(len(tr.path) for tr in self.rows)
+            self._paths = torch.tensor([tr.path + [-1] * (k - len(tr.path)) for tr in self.rows])
+        return self._paths
+
+    def accepted(self) -> list[int]:
+        """Accepted draft nodes per row (its path less the root)."""
+        return [len(tr.path) - 1 for tr in self.rows]
+
+
+_TEMPLATES: dict[tuple, TokenTree] = {}  # (parents, b, device) -> template; bounded (dynamic trees)
+
+
+def _template(parents: tuple[int, ...], b: int, device) -> TokenTree:
+    key = (parents, b, str(device))
+    if key not in _TEMPLATES:
+        if len(_TEMPLATES) >= 256:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = TokenTree(torch.zeros(b, len(parents), dtype=torch.long, device=device), list(parents))
+    return _TEMPLATES[key]
+
+
+@dataclass
+class _ConvGroup:
+    group: TreeGroup
     conv_state: torch.Tensor  # vLLM's (slots, dim, width - 1 + K) conv state, written at commit
-    slot: int
-    window: torch.Tensor  # (dim, width - 1) committed inputs the tree conv started from
-    xbc: torch.Tensor  # (m, dim) the nodes' pre-conv inputs
+    slots: list[int]
+    window: torch.Tensor  # (b, dim, width - 1) committed inputs the tree conv started from
+    xbc: torch.Tensor  # (b, n, dim) the nodes' pre-conv inputs
 
 
 @dataclass
-class _ScanRow:
+class _ScanGroup:
+    group: TreeGroup
     ssm_state: torch.Tensor  # vLLM's (slots, heads, headdim, dstate)
-    slots: list[int]  # the request's state slots; slot a receives the committed state
-    h0: torch.Tensor  # (heads, headdim, dstate) fp32 state before the root
-    x: torch.Tensor  # (m, heads, headdim)
-    dt: torch.Tensor  # (m, heads) fp32 processed dt
+    slots: list[list[int]]  # each request's state slots; slot a receives the committed state
+    h0: torch.Tensor  # (b, heads, headdim, dstate) fp32 state before the root
+    x: torch.Tensor  # (b, n, heads, headdim)
+    dt: torch.Tensor  # (b, n, heads) fp32 processed dt
     A: torch.Tensor  # (heads,)
-    B: torch.Tensor  # (m, groups, dstate)
+    B: torch.Tensor  # (b, n, groups, dstate)
 
 
 @dataclass
@@ -119,21 +148,42 @@ class TreeStep:
 
     rows: dict[int, TreeRow]
     kv: list[tuple] = field(default_factory=list)  # (key_cache, value_cache, CacheLayout, slot_mapping)
-    conv: list[tuple[int, _ConvRow]] = field(default_factory=list)
-    scan: list[tuple[int, _ScanRow]] = field(default_factory=list)
+    conv: list[_ConvGroup] = field(default_factory=list)
+    scan: list[_ScanGroup] = field(default_factory=list)
     _contexts: dict = field(default_factory=dict)
+    _groups: list[TreeGroup] | None = None
 
-    def contexts(self, metadata, block: int) -> list[tuple[TreeRow, int, torch.Tensor]]:
-        """``(tree row, sequence length, KV blocks holding it)`` per tree request of an attention
-        layer's ``metadata``; the same for every layer sharing the metadata, so built once."""
+    def groups(self) -> list[TreeGroup]:
+        """The step's tree requests grouped by tree shape (built once per step)."""
+        if self._groups is None:
+            by_shape: dict[tuple, list[TreeRow]] = {}
+            for tr in self.rows.values():
+                by_shape.setdefault(tuple(tr.drafted.tree.parents[0].tolist()), []).append(tr)
+            self._groups = []
+            for parents, rows in by_shape.items():
+                index = torch.tensor([tr.start for tr in rows])[:, None] + torch.arange(len(parents))
+                self._groups.append(TreeGroup(rows, index, _template(parents, len(rows), index.device)))
+        return self._groups
+
+    def contexts(self, metadata, block: int) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
+        """Per tree group of an attention layer's ``metadata``: the KV blocks holding each
+        request's sequence ``(b, nb)`` (as many as the longest needs; a shorter row's extra
+        entries are whatever its block-table row holds there, never attended) and the attention
+        mask of its queries over them ``(b, m, nb * block)``: the context, then each node's
+        ancestors (itself included). The same for every layer sharing the metadata: built once."""
         key = (id(metadata.block_table), block)
         if key not in self._contexts:
             row = {s: r for r, s in enumerate(metadata.query_start_loc.tolist()[:-1])}
             out = []
-            for tr in self.rows.values():
-                r = row[tr.start]
-                length = int(metadata.seq_lens[r])
-                out.append((tr, length, metadata.block_table[r, :-(-length // block)].long()))
+            for g in self.groups():
+                rows = [row[tr.start] for tr in g.rows]
+                lengths = metadata.seq_lens[rows].tolist()
+                m, nb = g.index.shape[1], max(-(-length // block) for length in lengths)
+                allowed = torch.arange(nb * block) < (torch.tensor(lengths) - m)[:, None]
+                allowed = allowed[:, None, :].repeat(1, m, 1)
+                for r, length in enumerate(lengths):
+                    allowed[r, :, length - m:length] = g.tree.mask[0].cpu()
+                out.append((g, metadata.block_table[rows, :nb].long(), allowed))
             self._contexts[key] = out
         return self._contexts[key]
 
@@ -178,21 +228,22 @@ class TreeStep:
                 regions = _regions(cache)
                 regions[(dst // block)[:, None], :, index[dst % block]] = \
                     regions[(src // block)[:, None], :, index[src % block]]
-        # each path's gather tables, built once and shared by the layers
-        paths = {start: torch.tensor([tr.path]) for start, tr in self.rows.items()}
-        conv_index: dict[tuple[int, int], torch.Tensor] = {}  # (row, window width) -> index
-        for start, c in self.conv:
-            window, a = c.window[None].clone(), len(self.rows[start].path) - 1
+        # each group's gather tables, built once and shared by the layers
+        conv_index: dict[tuple[int, int], torch.Tensor] = {}  # (group, window width) -> index
+        for c in self.conv:
+            window, accepted, paths = c.window.clone(), c.group.accepted(), c.group.paths()
             w = window.shape[-1]
-            if (start, w) not in conv_index:
-                conv_index[start, w] = conv_replay_index(paths[start], w)
-            conv_replay(window, c.xbc[None], paths[start], index=conv_index[start, w])
-            c.conv_state[c.slot, :, a:a + w] = window[0]
-        scan_tables = {start: path_tables(p) for start, p in paths.items()} if self.scan else {}
-        for start, s in self.scan:
-            state, a = s.h0[None].clone(), len(self.rows[start].path) - 1
-            ssm_replay(state, s.x[None], s.dt[None], s.A, s.B[None], paths[start], tables=scan_tables[start])
-            s.ssm_state[s.slots[a]] = state[0].to(s.ssm_state.dtype)
+            if (id(c.group), w) not in conv_index:
+                conv_index[id(c.group), w] = conv_replay_index(paths, w)
+            conv_replay(window, c.xbc, paths, index=conv_index[id(c.group), w])
+            for r, (slot, a) in enumerate(zip(c.slots, accepted)):
+                c.conv_state[slot, :, a:a + w] = window[r]
+        scan_tables = {id(s.group): path_tables(s.group.paths()) for s in self.scan}
+        for s in self.scan:
+            state = s.h0.clone()
+            ssm_replay(state, s.x, s.dt, s.A, s.B, s.group.paths(), tables=scan_tables[id(s.group)])
+            dst = [slots[a] for slots, a in zip(s.slots, s.group.accepted())]
+            s.ssm_state[dst] = state.to(s.ssm_state.dtype)
 
 
 _current: TreeStep | None = None
@@ -254,15 +305,15 @@ def _regions(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(cache.shape[0], cache.shape[1], -1)
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor | None, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """(1, kv_heads, length, head_dim) of the first ``length`` tokens held in ``blocks`` (in order):
-    whole blocks are copied out, then put in token-major order by ``index`` (None: already so)."""
-    regions = _regions(cache).index_select(0, blocks)  # (nb, kv_heads, block_size * head_dim)
+def _gather(cache: torch.Tensor, index: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """(b, kv_heads, nb * block_size, head_dim) of the tokens held in ``blocks (b, nb)`` (in
+    order): whole blocks are copied out, then put in token-major order by ``index`` (None:
+    already so)."""
+    regions = _regions(cache).index_select(0, blocks.flatten())  # (b * nb, kv_heads, block_size * head_dim)
     if index is not None:
         regions = regions[:, :, index.view(-1)]
-    block, head_dim = cache.shape[2], cache.shape[3]
-    kv = regions.view(len(blocks), -1, block, head_dim).transpose(0, 1).reshape(1, -1, len(blocks) * block, head_dim)
-    return kv[:, :, :length]
+    (b, nb), block, head_dim = blocks.shape, cache.shape[2], cache.shape[3]
+    return regions.view(b, nb, -1, block, head_dim).transpose(1, 2).reshape(b, -1, nb * block, head_dim)
 
 
 def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata,
@@ -282,28 +333,28 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     block, head_dim = key_cache.shape[2], key_cache.shape[3]
     layout = CacheLayout.probe(layer, block, head_dim, key_cache.dtype, impl.kv_cache_dtype)
     heads = query.shape[1]
-    for tr, length, blocks in step.contexts(metadata, block):
-        m = tr.drafted.tree.num_nodes
-        k, v = (_gather(c, i, blocks, length).float() for c, i in ((key_cache, layout.key_order),
-                                                                  (value_cache, layout.value_order)))
-        q = query[tr.start:tr.start + m].transpose(0, 1)[None].float()  # (1, heads, m, d), fp32 math
+    rows = output.view(output.shape[0], heads, -1)
+    for g, blocks, allowed in step.contexts(metadata, block):
+        # masked positions (past a row's length) hold finite K/V: vLLM zero-fills its KV cache
+        k, v = (_gather(c, i, blocks).float() for c, i in ((key_cache, layout.key_order),
+                                                          (value_cache, layout.value_order)))
+        q = query[g.index].transpose(1, 2).float()  # (b, heads, m, d), fp32 math
+        mask = allowed[:, None]
         if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
             k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
             scores = impl.logits_soft_cap * torch.tanh(q @ k.transpose(-1, -2) * impl.scale / impl.logits_soft_cap)
-            out = scores.masked_fill(~tr.allowed(length), float("-inf")).softmax(-1) @ v
+            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=tr.allowed(length), scale=impl.scale,
-                                                 enable_gqa=True)
-        output[tr.start:tr.start + m].view(m, heads, -1).copy_(out[0].transpose(0, 1))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=impl.scale, enable_gqa=True)
+        rows[g.index] = out.transpose(1, 2).to(rows.dtype)
     step.kv.append((key_cache, value_cache, layout, metadata.slot_mapping))
 
 
-def _tree_rows(step: TreeStep, query_start_loc: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(decode row, bos, eos) of the tree requests among vLLM's decode rows (which come first in
-    its batch, so their token offsets are the batch's; a tree query of 1 + n <= 1 + K tokens is
-    always a decode row)."""
-    starts = query_start_loc.tolist()
-    rows = [(i, bos, starts[i + 1]) for i, bos in enumerate(starts[:-1]) if bos in step.rows]
+def _decode_rows(step: TreeStep, query_start_loc: torch.Tensor) -> dict[int, int]:
+    """``{query start: decode row}`` of the tree requests among vLLM's decode rows (which come
+    first in its batch, so their token offsets are the batch's; a tree query of 1 + n <= 1 + K
+    tokens is always a decode row)."""
+    rows = {bos: i for i, bos in enumerate(query_start_loc.tolist()[:-1]) if bos in step.rows}
     if len(rows) != len(step.rows):
         raise RuntimeError("stree: a tree request is missing from vLLM's Mamba decode rows")
     return rows
@@ -311,7 +362,7 @@ def _tree_rows(step: TreeStep, query_start_loc: torch.Tensor) -> list[tuple[int,
 
 def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
                      query_start_loc, step: TreeStep) -> tuple[torch.Tensor, list[int]]:
-    """Tree conv for the tree rows of vLLM's decode batch.
+    """Tree conv for the tree rows of vLLM's decode batch, one call per tree shape.
 
     x: (tokens, dim) pre-conv inputs; conv_state: (slots, dim, width - 1 + K); weight (dim,
     width). Writes the tree rows of the returned ``out`` (tokens, dim); returns it and the decode
@@ -319,42 +370,45 @@ def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices
     """
     out = torch.empty_like(x)
     width = weight.shape[1]
-    handled = []
-    for i, bos, eos in _tree_rows(step, query_start_loc):
-        slot = int(conv_state_indices[i, 0])
-        offset = int(num_accepted_tokens[i]) - 1
-        window = conv_state[slot, :, offset:offset + width - 1].clone()
-        committed = F.pad(window, (1, 0))[None]  # mamba layout: width columns, the first unused
-        tables = step.rows[bos].drafted.tree.conv_scan_tables(width, x.shape[1])  # cached on the template
-        y = tree_conv(x[None, bos:eos], committed.to(x.dtype), weight, bias, tables["window"],
+    decode = _decode_rows(step, query_start_loc)
+    state_slots, accepted = conv_state_indices[:, 0].tolist(), num_accepted_tokens.tolist()
+    for g in step.groups():
+        rows = [decode[tr.start] for tr in g.rows]
+        slots = [state_slots[i] for i in rows]
+        # vLLM keeps the window at offset num_accepted - 1 of the request's conv state
+        window = torch.stack([conv_state[slot, :, accepted[i] - 1:accepted[i] - 1 + width - 1]
+                              for slot, i in zip(slots, rows)])
+        committed = F.pad(window, (1, 0))  # mamba layout: width columns, the first unused
+        tables = g.tree.conv_scan_tables(width, x.shape[1])  # cached on the template
+        xbc = x[g.index]
+        y = tree_conv(xbc, committed.to(x.dtype), weight, bias, tables["window"],
                       activation="silu" if activation in ("silu", "swish", True) else None,
                       gather_index=tables["gather"])
-        out[bos:eos] = y[0]
-        step.conv.append((bos, _ConvRow(conv_state, slot, window, x[bos:eos].clone())))
-        handled.append(i)
-    return out, handled
+        out[g.index] = y
+        step.conv.append(_ConvGroup(g, conv_state, slots, window, xbc))
+    return out, sorted(decode.values())
 
 
 def tree_state_update(ssm_state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_batch_indices,
                       num_accepted_tokens, cu_seqlens, out, step: TreeStep) -> list[int]:
-    """Tree scan for the tree rows of vLLM's decode batch (vLLM's per-head-dim expanded operands:
-    x, dt, out (tokens, h, p); A (h, p, n); B, C (tokens, g, n); D, dt_bias (h, p)). Writes
-    ``out`` rows, not the state; returns the decode rows handled."""
-    handled = []
+    """Tree scan for the tree rows of vLLM's decode batch, one call per tree shape (vLLM's
+    per-head-dim expanded operands: x, dt, out (tokens, h, p); A (h, p, n); B, C (tokens, g, n);
+    D, dt_bias (h, p)). Writes ``out`` rows, not the state; returns the decode rows handled."""
     a_h = A[:, 0, 0].float()
-    for i, bos, eos in _tree_rows(step, cu_seqlens):
-        slots = state_batch_indices[i].tolist()
-        h0 = ssm_state[slots[int(num_accepted_tokens[i]) - 1]].float()
-        tree = step.rows[bos].drafted.tree
-        y, dt_out = tree_scan(x[None, bos:eos], dt[None, bos:eos, :, 0], a_h, B[None, bos:eos], C[None, bos:eos],
-                              tree.mask, D=D, dt_bias=None if dt_bias is None else dt_bias[:, 0],
-                              dt_softplus=dt_softplus, initial_states=h0[None],
-                              tables=None if x.is_cuda else tree.scan_tables())
-        out[bos:eos] = y[0].to(out.dtype)
-        step.scan.append((bos, _ScanRow(ssm_state, slots, h0, x[bos:eos].clone(), dt_out[0], a_h,
-                                        B[bos:eos].clone())))
-        handled.append(i)
-    return handled
+    decode = _decode_rows(step, cu_seqlens)
+    all_slots, accepted = state_batch_indices.tolist(), num_accepted_tokens.tolist()
+    for g in step.groups():
+        rows = [decode[tr.start] for tr in g.rows]
+        slots = [all_slots[i] for i in rows]
+        # the state after the request's last accepted token, in slot num_accepted - 1
+        h0 = ssm_state[[s[accepted[i] - 1] for s, i in zip(slots, rows)]].float()
+        xs, bs = x[g.index], B[g.index]
+        y, dt_out = tree_scan(xs, dt[:, :, 0][g.index], a_h, bs, C[g.index], g.tree.mask, D=D,
+                              dt_bias=None if dt_bias is None else dt_bias[:, 0], dt_softplus=dt_softplus,
+                              initial_states=h0, tables=None if x.is_cuda else g.tree.scan_tables())
+        out[g.index] = y.to(out.dtype)
+        step.scan.append(_ScanGroup(g, ssm_state, slots, h0, xs, dt_out, a_h, bs))
+    return sorted(decode.values())
 
 
 def verified_by_stree(params) -> bool:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stree.vllm.proposer import StreeProposer
+from stree.vllm.proposer import StreeProposer, batch_sizes
 from stree.vllm.speculative import ENV, DraftSpec, draft_size
 
 DRAFT = "models/stree-tiny/draft"
@@ -39,3 +39,77 @@ def test_draft_levels_compiled_with_vllm_compile(monkeypatch, tree, compiles):
     if compiles:
         assert _drafts(compiled) == _drafts(eager)
         assert getattr(compiled.model, "_stree_compiled", None) is not None  # its compiled steps ran
+
+
+def _config(tree: str, enforce_eager: bool, max_num_seqs: int) -> SimpleNamespace:
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=draft_size(tree)),
+                           model_config=SimpleNamespace(enforce_eager=enforce_eager, max_model_len=256),
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+
+
+def _run(proposer: StreeProposer, schedule: list[list[str]], histories: dict, params: dict,
+         only: str | None = None) -> list[dict]:
+    """Step ``proposer`` through ``schedule`` (the request ids of each step, in batch order; with
+    ``only``, that request alone, in the steps where it appears); after step ``s`` request ``r``
+    commits the first ``(len(r) + s) % 3`` draft tokens (partial, none or whole acceptance) and a
+    token of its own. Returns each step's drafts by request id."""
+    histories, out = {r: list(h) for r, h in histories.items()}, []
+    for step, rids in enumerate(schedule):
+        if only is not None:
+            if only not in rids:
+                continue
+            rids = [only]
+        proposer.bind(rids, [params.get(r) for r in rids])
+        width = max(len(histories[r]) for r in rids)
+        ids = torch.tensor([histories[r] + [0] * (width - len(histories[r])) for r in rids])
+        drafts = proposer.propose([[histories[r][-1]] for r in rids], [len(histories[r]) for r in rids], ids)
+        out.append(dict(zip(rids, drafts)))
+        for r, tokens in zip(rids, drafts):
+            histories[r] += tokens[:(len(r) + step) % 3] + [(7 * step + len(r)) % 50 + 3]
+    return out
+
+
+HISTORIES = {"a": [0, 5, 17, 33], "bb": [0, 9, 9, 40, 41, 42, 43, 60], "ccc": [0, 70], "dddd": [0, 11, 12, 13]}
+# requests arrive and leave: a batch of three, one leaves, one arrives, the first comes back
+SCHEDULE = [["a", "bb", "ccc"], ["a", "bb", "ccc"], ["bb", "ccc"], ["ccc", "bb", "dddd"], ["a", "dddd", "bb"],
+            ["a", "dddd", "bb"]]
+
+
+@pytest.mark.parametrize("tree, enforce_eager", [("caterpillar:2,2,2", True), ("caterpillar:2,2,2", False),
+                                                 ("chain:4", False), ("dyspec:6", True)])
+def test_batched_drafts_equal_each_request_drafted_alone(monkeypatch, tree, enforce_eager):
+    """The proposer drafts all greedy requests in one batch (padded to a compiled size when
+    compiled), each resuming from its slot at its own length; every request's drafts equal those
+    of a proposer that only ever sees that request."""
+    monkeypatch.setenv(ENV, "")
+    DraftSpec(DRAFT, tree).to_env()
+    batched = StreeProposer(_config(tree, enforce_eager, 4))
+    batched.load_model(None)
+    if not enforce_eager:
+        assert batched.sizes == [1, 2, 4] and len(batched.scratch) == 1  # three requests: one scratch row
+    together = _run(batched, SCHEDULE, HISTORIES, {})
+    for rid in HISTORIES:
+        alone = _run(StreeProposer(_config(tree, True, 1)), SCHEDULE, HISTORIES, {}, only=rid)
+        assert [d[rid] for d in together if rid in d] == [d[rid] for d in alone]
+
+
+def test_a_seeded_request_drafts_the_same_whatever_its_batch(monkeypatch):
+    """A sampled request with its own seed drafts alone, with its own generator: its draft tokens
+    do not depend on the requests drafted beside it (those without a seed share one batch)."""
+    from vllm import SamplingParams
+
+    monkeypatch.setenv(ENV, "")
+    DraftSpec(DRAFT, "chain:4").to_env()
+    params = {r: SamplingParams(temperature=1.0) for r in HISTORIES}
+    params["a"] = SamplingParams(temperature=1.0, seed=11)
+    schedule = [["a", "bb", "ccc"], ["bb", "a"], ["ccc", "a", "dddd"], ["a"]]  # others come and go
+    proposer = StreeProposer(_config("chain:4", True, 4))
+    with_others = _run(proposer, schedule[:1], HISTORIES, params)
+    assert sorted(len(b.rows) for b in proposer.batches) == [1, 2]  # "a" alone, "bb" and "ccc" together
+    with_others = _run(StreeProposer(_config("chain:4", True, 4)), schedule, HISTORIES, params)
+    alone = _run(StreeProposer(_config("chain:4", True, 4)), schedule, HISTORIES, params, only="a")
+    assert [d["a"] for d in with_others] == [d["a"] for d in alone]
+
+
+def test_batch_sizes():
+    assert batch_sizes(1) == [1] and batch_sizes(4) == [1, 2, 4] and batch_sizes(6) == [1, 2, 4, 6]
