@@ -8,7 +8,8 @@ one warm-up request: tokens/s (new tokens over wall time of the timed requests),
 target call: 1 + accepted / drafts, from vLLM's counters) and mean per-request latency. Engines
 run in vLLM's default mode, which compiles the model (``enforce_eager=False``; stree's proposer
 then compiles the draft's levels too), 1.3-1.7x faster on this CPU than ``--enforce-eager``, which
-reproduces eager runs. At T = 0 each method's tokens are compared with vLLM's own decoding
+reproduces eager runs. Sampled requests carry no seed of their own (the engine is seeded), as a
+serving client's would not. At T = 0 each method's tokens are compared with vLLM's own decoding
 ("exact"). Methods run one after another in the same process tree, so compare them within one run;
 run it on a quiet machine. Results go to ``bench/results/vllm_<device>_<date>.{csv,json}``.
 """
@@ -52,7 +53,8 @@ def _engine(args) -> None:
     llm.generate(spec["prompts"][:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
     cells = []
     for temperature in spec["temperatures"]:
-        params = SamplingParams(temperature=temperature, max_tokens=spec["max_new_tokens"], seed=0)
+        # no per-request seed (the engine has one): stree drafts a seeded sampled request alone
+        params = SamplingParams(temperature=temperature, max_tokens=spec["max_new_tokens"])
         for batch in spec["batches"]:
             before = counters()
             tokens, latencies, start = [], [], time.perf_counter()
