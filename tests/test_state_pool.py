@@ -70,6 +70,18 @@ def _same(a, b, when):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=when)
 
 
+def _draft_levels(model, cache, ref, after=lambda when: None) -> TokenTree:
+    """A random 2-row tree forwarded level by level (``LEVELS``) through ``cache`` and ``ref``,
+    equal logits at every level (``after(level)`` checks more after each); returns the tree."""
+    tree = TokenTree(torch.randint(0, _vocab(model), (2, 7)), PARENTS)
+    for s, e in LEVELS:
+        prefix = TokenTree(tree.tokens[:, :e], PARENTS[:, :e])
+        _same(forward_level(model, cache, prefix, s, e, capacity=7),
+              forward_level(model, ref, prefix, s, e, capacity=7), f"level {s}:{e} logits")
+        after(f"level {s}:{e}")
+    return tree
+
+
 @pytest.mark.parametrize("make", [_hybrid, _mamba_ssm, _zamba2],
                          ids=["hybrid", "mamba_ssm", "zamba2"])
 @pytest.mark.parametrize("slots", [[5, 2], [3, 4]], ids=["scattered", "contiguous"])
@@ -102,12 +114,7 @@ def test_rows_in_arbitrary_slots_match_an_ordinary_cache_and_touch_nothing_else(
     _check_rows_equal(cache, pool, slots, ref, "commit")
 
     # draft: level by level, then a commit whose path ends in the never-forwarded level
-    tree = TokenTree(torch.randint(0, vocab, (2, 7)), PARENTS)
-    for s, e in LEVELS:
-        prefix = TokenTree(tree.tokens[:, :e], PARENTS[:, :e])
-        _same(forward_level(model, cache, prefix, s, e, capacity=7),
-              forward_level(model, ref, prefix, s, e, capacity=7), f"level {s}:{e} logits")
-        _check_others_untouched(pool, before, slots, f"level {s}:{e}")
+    tree = _draft_levels(model, cache, ref, lambda when: _check_others_untouched(pool, before, slots, when))
     path, counts = torch.tensor([[0, 1, 3, -1], [0, 1, 3, 5]]), [3, 4]
     assert commit_draft(model, cache, tree, path, counts, [3, 5], lambda node: node < 5)
     assert commit_draft(model, ref, tree, path, counts, [3, 5], lambda node: node < 5)
@@ -163,11 +170,7 @@ def test_rows_resume_at_their_lengths_in_a_new_grouping():
     model.prefill(prompts, ref)
     cache = pool.cache(slots, seqlens=[5, 9])
     _check_rows_equal(cache, pool, slots, ref, "resumed")
-    tree = TokenTree(torch.randint(0, VOCAB, (2, 7)), PARENTS)
-    for s, e in LEVELS:
-        prefix = TokenTree(tree.tokens[:, :e], PARENTS[:, :e])
-        _same(forward_level(model, cache, prefix, s, e, capacity=7),
-              forward_level(model, ref, prefix, s, e, capacity=7), f"level {s}:{e} logits")
+    tree = _draft_levels(model, cache, ref)
     path, counts = torch.tensor([[0, 2, 4, 6], [0, -1, -1, -1]]), [4, 1]
     for c in (cache, ref):
         assert commit_draft(model, c, tree, path, counts, [6, 0], lambda node: node < 5)

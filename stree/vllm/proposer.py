@@ -35,11 +35,13 @@ settings) is kept in ``drafted`` by request id, for stree's verification in the 
 When vLLM compiles its model (``enforce_eager=False``) the draft's levels run compiled too
 (:mod:`stree.capture`), for drafters with a static template: a draft batch is padded to the next
 of a few sizes (powers of two up to ``max_num_seqs``) with scratch rows, and one graph per size
-and level width is compiled when vLLM loads the model (:meth:`StreeProposer.load_model`), as
-vLLM captures its own graphs at start-up, not in the middle of serving.
+and level width is compiled, for sizes up to ``PRECOMPILED`` when vLLM loads the model
+(:meth:`StreeProposer.load_model`), as vLLM captures its own graphs at start-up; a larger size
+compiles (once) when a batch first needs it.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -54,6 +56,10 @@ from stree.vllm.speculative import DraftSpec, draft_size, load_draft
 from stree.vllm.trees import DraftedTree
 
 GREEDY = SamplingConfig(temperature=0.0)
+# Draft batch sizes compiled at start-up: each costs seconds of compilation on a CPU, and vLLM's
+# CPU default of 256 sequences would add a minute to every engine start.
+PRECOMPILED = 8
+logger = logging.getLogger(__name__)
 
 
 class _Row:
@@ -123,6 +129,7 @@ class StreeProposer:
                          and all(drafter.layered for drafter, _ in self.pairs.values()))
         slots = vllm_config.scheduler_config.max_num_seqs
         self.sizes = batch_sizes(slots) if self.compiled else None
+        self.compiled_sizes = {size for size in self.sizes or () if size <= PRECOMPILED}
         # scratch slots after the requests' ones pad a draft batch up to a compiled size
         pad = max((b - a - 1 for a, b in zip(self.sizes, self.sizes[1:])), default=0) if self.compiled else 0
         self.pool = self.model.allocate_state_pool(slots + pad, vllm_config.model_config.max_model_len + self.k + 1)
@@ -140,13 +147,13 @@ class StreeProposer:
     @torch.inference_mode()
     def load_model(self, *args) -> None:
         """Called by vLLM at start-up with the target (the draft is ours): compile the draft's
-        levels for every padded batch size now, on free slots (a request's first draft zeroes
-        its slot)."""
+        levels for the padded batch sizes up to ``PRECOMPILED`` now, on free slots (a request's
+        first draft zeroes its slot)."""
         if not self.compiled:
             return
         drafter, _ = self.pairs[True]
         with capture.compiled(self.model):
-            for size in self.sizes:  # a run of slots (views of the pool) and scattered slots
+            for size in sorted(self.compiled_sizes):  # a run of slots (views of the pool) and scattered slots
                 for slots in {tuple(range(size)), tuple(range(size))[::-1]}:
                     cache = self.pool.cache(list(slots))
                     self.model.prefill(torch.zeros(size, 2, dtype=torch.long), cache)
@@ -259,6 +266,9 @@ class StreeProposer:
         sampling = sampling_of(self.params[members[0]])
         drafter, verifier = self.pairs[sampling.is_greedy]
         pad = 0 if self.sizes is None else next(s for s in self.sizes if s >= len(rows)) - len(rows)
+        if self.sizes is not None and len(rows) + pad not in self.compiled_sizes:
+            logger.info("stree: compiling the draft's levels for batches of %d (once)", len(rows) + pad)
+            self.compiled_sizes.add(len(rows) + pad)
         cache = self.pool.cache([row.slot for row in rows] + self.scratch[:pad],
                                 [len(row.history) for row in rows] + [0] * pad)
         generator = None if sampling.is_greedy else rows[0].generator or self.generator

@@ -161,8 +161,10 @@ class TreeStep:
                 by_shape.setdefault(tuple(tr.drafted.tree.parents[0].tolist()), []).append(tr)
             self._groups = []
             for parents, rows in by_shape.items():
-                index = torch.tensor([tr.start for tr in rows])[:, None] + torch.arange(len(parents))
-                self._groups.append(TreeGroup(rows, index, _template(parents, len(rows), index.device)))
+                device = rows[0].drafted.tree.device
+                index = torch.tensor([tr.start for tr in rows], device=device)[:, None] + torch.arange(
+                    len(parents), device=device)
+                self._groups.append(TreeGroup(rows, index, _template(parents, len(rows), device)))
         return self._groups
 
     def contexts(self, metadata, block: int) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
