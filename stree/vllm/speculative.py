@@ -23,6 +23,8 @@ import os
 from dataclasses import asdict, dataclass
 
 ENV = "STREE_VLLM_DRAFT"
+# opt-in to stree's tree verification on a GPU (FlashAttention), written but never run
+GPU_TREES = "STREE_VLLM_GPU_TREES"
 PROPOSER = "stree.vllm.proposer.StreeProposer"
 # keys of stree's dict; every other key is refused (no silent typos)
 KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens"}
@@ -93,10 +95,11 @@ def load_draft(directory: str):
     return load_model(directory, torch.device("cpu"), torch.float32).eval()
 
 
-def translate(config: dict, target_vocab_size: int) -> dict:
+def translate(config: dict, target_vocab_size: int, enforce_eager: bool = False) -> dict:
     """stree's speculative dict -> vLLM's custom-proposer dict (and the environment variable).
 
-    Raises ValueError (unknown key, missing draft, tree spec, vocabulary mismatch) or the
+    Raises ValueError (unknown key, missing draft, tree spec, vocabulary mismatch, trees on a
+    GPU without ``STREE_VLLM_GPU_TREES=1`` and ``enforce_eager``, the engine's setting) or the
     draft loader's error, all before any engine process starts.
     """
     from stree.generation import vocab_size
@@ -119,9 +122,15 @@ def translate(config: dict, target_vocab_size: int) -> dict:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            raise ValueError(f"speculative_config tree={spec.tree!r}, verifier={spec.verifier!r}: stree verifies "
-                             "inside vLLM with vLLM's CPU attention backend only so far; use a chain "
-                             "('chain:4') with vLLM's SpS here")
+            where = f"speculative_config tree={spec.tree!r}, verifier={spec.verifier!r}"
+            if os.environ.get(GPU_TREES) != "1":
+                raise ValueError(f"{where}: stree verifies inside vLLM with vLLM's CPU attention backend only so "
+                                 f"far (its FlashAttention path is written but has never run on a GPU: "
+                                 f"{GPU_TREES}=1 with enforce_eager=True tries it); use a chain ('chain:4') "
+                                 "with vLLM's SpS here")
+            if not enforce_eager:
+                raise ValueError(f"{where}: {GPU_TREES}=1 needs enforce_eager=True (vLLM's CUDA graphs would "
+                                 "replay attention without the tree mask)")
     if config.get("num_speculative_tokens") not in (None, k):
         raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
                          f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")
@@ -146,7 +155,7 @@ def patch_engine_args() -> None:
         config = self.speculative_config
         if isinstance(config, dict) and config.get("method") == "stree":
             self.speculative_config = translate({k.replace("-", "_"): v for k, v in config.items()},
-                                                target_model_config.get_vocab_size())
+                                                target_model_config.get_vocab_size(), self.enforce_eager)
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config._stree = True

@@ -88,13 +88,18 @@ class TreeRow:
 class TreeGroup:
     """The tree requests of a step whose trees have one shape (the same parent list): every layer
     runs them as one batch. ``index (b, n)``: the query token index of each row's nodes;
-    ``tree``: a template of that shape for ``b`` rows, whose tables (conv windows, scan masks)
-    every layer reads, built once per shape and batch size (its tokens mean nothing)."""
+    ``parents``: the shared parent list."""
 
     rows: list[TreeRow]
     index: torch.Tensor
-    tree: TokenTree
+    parents: tuple[int, ...]
     _paths: torch.Tensor | None = None
+
+    def tree(self, device) -> TokenTree:
+        """A template of the group's shape for its ``b`` rows on ``device`` (the target's), whose
+        tables (conv windows, scan masks) every layer reads: built once per shape, batch size and
+        device (its tokens mean nothing)."""
+        return _template(self.parents, len(self.rows), device)
 
     def paths(self) -> torch.Tensor:
         """``(b, k)`` the verified paths, root first, -1 padded (after :meth:`TreeStep.verify`)."""
@@ -147,7 +152,7 @@ class TreeStep:
     the layers kept for the commit."""
 
     rows: dict[int, TreeRow]
-    kv: list[tuple] = field(default_factory=list)  # (key_cache, value_cache, CacheLayout, slot_mapping)
+    kv: list[tuple] = field(default_factory=list)  # (key_cache, value_cache, layout, slot_mapping)
     conv: list[_ConvGroup] = field(default_factory=list)
     scan: list[_ScanGroup] = field(default_factory=list)
     _contexts: dict = field(default_factory=dict)
@@ -161,10 +166,8 @@ class TreeStep:
                 by_shape.setdefault(tuple(tr.drafted.tree.parents[0].tolist()), []).append(tr)
             self._groups = []
             for parents, rows in by_shape.items():
-                device = rows[0].drafted.tree.device
-                index = torch.tensor([tr.start for tr in rows], device=device)[:, None] + torch.arange(
-                    len(parents), device=device)
-                self._groups.append(TreeGroup(rows, index, _template(parents, len(rows), device)))
+                index = torch.tensor([tr.start for tr in rows])[:, None] + torch.arange(len(parents))
+                self._groups.append(TreeGroup(rows, index, parents))
         return self._groups
 
     def contexts(self, metadata, block: int) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
@@ -184,8 +187,9 @@ class TreeStep:
                 allowed = torch.arange(nb * block) < (torch.tensor(lengths) - m)[:, None]
                 allowed = allowed[:, None, :].repeat(1, m, 1)
                 for r, length in enumerate(lengths):
-                    allowed[r, :, length - m:length] = g.tree.mask[0].cpu()
-                out.append((g, metadata.block_table[rows, :nb].long(), allowed))
+                    allowed[r, :, length - m:length] = g.tree("cpu").mask[0]
+                blocks = metadata.block_table[rows, :nb].long()
+                out.append((g, blocks, allowed.to(blocks.device)))
             self._contexts[key] = out
         return self._contexts[key]
 
@@ -224,26 +228,24 @@ class TreeStep:
         if moves:
             dst_q, src_q = (torch.tensor(v) for v in zip(*moves))
         for key_cache, value_cache, layout, slot_mapping in self.kv if moves else ():
-            dst, src = slot_mapping[dst_q].long(), slot_mapping[src_q].long()
-            for cache, index in ((key_cache, layout.key), (value_cache, layout.value)):
-                block = index.shape[0]
-                regions = _regions(cache)
-                regions[(dst // block)[:, None], :, index[dst % block]] = \
-                    regions[(src // block)[:, None], :, index[src % block]]
+            dst, src = slot_mapping[dst_q.to(slot_mapping.device)].long(), slot_mapping[src_q.to(slot_mapping.device)].long()
+            layout.move(key_cache, dst, src)
+            layout.move(value_cache, dst, src, value=True)
         # each group's gather tables, built once and shared by the layers
         conv_index: dict[tuple[int, int], torch.Tensor] = {}  # (group, window width) -> index
         for c in self.conv:
-            window, accepted, paths = c.window.clone(), c.group.accepted(), c.group.paths()
+            window, accepted, paths = c.window.clone(), c.group.accepted(), c.group.paths().to(c.xbc.device)
             w = window.shape[-1]
             if (id(c.group), w) not in conv_index:
                 conv_index[id(c.group), w] = conv_replay_index(paths, w)
             conv_replay(window, c.xbc, paths, index=conv_index[id(c.group), w])
             for r, (slot, a) in enumerate(zip(c.slots, accepted)):
                 c.conv_state[slot, :, a:a + w] = window[r]
-        scan_tables = {id(s.group): path_tables(s.group.paths()) for s in self.scan}
+        scan_paths = {id(s.group): s.group.paths().to(s.x.device) for s in self.scan}
+        scan_tables = {key: path_tables(p) for key, p in scan_paths.items()}
         for s in self.scan:
             state = s.h0.clone()
-            ssm_replay(state, s.x, s.dt, s.A, s.B, s.group.paths(), tables=scan_tables[id(s.group)])
+            ssm_replay(state, s.x, s.dt, s.A, s.B, scan_paths[id(s.group)], tables=scan_tables[id(s.group)])
             dst = [slots[a] for slots, a in zip(s.slots, s.group.accepted())]
             s.ssm_state[dst] = state.to(s.ssm_state.dtype)
 
@@ -277,6 +279,27 @@ class CacheLayout:
         plain = torch.arange(key.numel()).view_as(key)
         self.key_order, self.value_order = (None if torch.equal(i, plain) else i for i in (key, value))
 
+    @staticmethod
+    def block_size(cache: torch.Tensor) -> int:
+        return cache.shape[2]  # split K or V cache: (blocks, kv_heads, block_size, head_dim)
+
+    def gather(self, cache: torch.Tensor, blocks: torch.Tensor, value: bool = False) -> torch.Tensor:
+        """(b, kv_heads, nb * block_size, head_dim) of the tokens held in ``blocks (b, nb)`` (in
+        order): whole blocks are copied out, then put in token-major order."""
+        order = self.value_order if value else self.key_order
+        regions = _regions(cache).index_select(0, blocks.flatten())  # (b * nb, kv_heads, block_size * head_dim)
+        if order is not None:
+            regions = regions[:, :, order.view(-1)]
+        (b, nb), block, head_dim = blocks.shape, cache.shape[2], cache.shape[3]
+        return regions.view(b, nb, -1, block, head_dim).transpose(1, 2).reshape(b, -1, nb * block, head_dim)
+
+    def move(self, cache: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, value: bool = False) -> None:
+        """Copy the K (or V) of KV slots ``src`` to slots ``dst`` (gathered first: they may overlap)."""
+        index = self.value if value else self.key
+        block = index.shape[0]
+        regions = _regions(cache)
+        regions[(dst // block)[:, None], :, index[dst % block]] = regions[(src // block)[:, None], :, index[src % block]]
+
     @classmethod
     def probe(cls, layer, block_size: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> "CacheLayout":
         k = (layer.isa, block_size, head_dim, dtype, kv_cache_dtype)
@@ -307,39 +330,54 @@ def _regions(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(cache.shape[0], cache.shape[1], -1)
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
-    """(b, kv_heads, nb * block_size, head_dim) of the tokens held in ``blocks (b, nb)`` (in
-    order): whole blocks are copied out, then put in token-major order by ``index`` (None:
-    already so)."""
-    regions = _regions(cache).index_select(0, blocks.flatten())  # (b * nb, kv_heads, block_size * head_dim)
-    if index is not None:
-        regions = regions[:, :, index.view(-1)]
-    (b, nb), block, head_dim = blocks.shape, cache.shape[2], cache.shape[3]
-    return regions.view(b, nb, -1, block, head_dim).transpose(1, 2).reshape(b, -1, nb * block, head_dim)
+class FlashLayout:
+    """vLLM's FlashAttention paged cache (GPU): ``kv_cache (blocks, kv_heads, block_size, 2 *
+    head_dim)``, K in the first ``head_dim`` channels, split as ``FlashAttentionImpl.forward``
+    does into K and V views ``(blocks, block_size, kv_heads, head_dim)``: token-major, so nothing
+    to probe. Written against vLLM 0.32's layout and tested on CPU tensors of it; never run on a
+    GPU."""
+
+    @staticmethod
+    def block_size(cache: torch.Tensor) -> int:
+        return cache.shape[1]
+
+    @staticmethod
+    def gather(cache: torch.Tensor, blocks: torch.Tensor, value: bool = False) -> torch.Tensor:
+        b, nb = blocks.shape
+        kv = cache[blocks]  # (b, nb, block_size, kv_heads, head_dim)
+        return kv.permute(0, 3, 1, 2, 4).reshape(b, kv.shape[3], nb * kv.shape[2], kv.shape[4])
+
+    @staticmethod
+    def move(cache: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, value: bool = False) -> None:
+        block = cache.shape[1]
+        cache[dst // block, dst % block] = cache[src // block, src % block]
 
 
 def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata,
-                   output: torch.Tensor, step: TreeStep) -> None:
+                   output: torch.Tensor, step: TreeStep, layout=None) -> None:
     """Recompute the attention rows of tree requests under the tree mask, in place.
 
-    query: (tokens, heads, head_dim); key_cache, value_cache: (blocks, kv_heads, block_size,
-    head_dim) views of vLLM's CPU cache; metadata: vLLM's CPU attention metadata (query_start_loc,
-    seq_lens, block_table, slot_mapping). Query row ``i`` of a tree attends to the request's
-    committed context and to the tree nodes on its own root path.
+    query: (tokens, heads, head_dim); key_cache, value_cache: vLLM's split K and V caches, laid
+    out as ``layout`` says (None: vLLM's CPU cache, ``(blocks, kv_heads, block_size, head_dim)``
+    views, its in-block layout probed; :class:`FlashLayout`: FlashAttention's); metadata: vLLM's
+    attention metadata (query_start_loc, seq_lens, block_table, slot_mapping). Query row ``i`` of
+    a tree attends to the request's committed context and to the tree nodes on its own root path.
     """
-    if impl.alibi_slopes is not None or impl.sliding_window not in (None, -1) or impl.sinks is not None:
+    if (impl.alibi_slopes is not None or impl.sliding_window not in (None, -1, (-1, -1))
+            or getattr(impl, "sinks", None) is not None):
         raise NotImplementedError("stree: tree verification in vLLM supports plain causal attention only "
                                   "(no ALiBi, sliding window or attention sinks)")
-    if impl.is_fp8_kv_cache:
+    if getattr(impl, "is_fp8_kv_cache", False) or str(impl.kv_cache_dtype).startswith("fp8"):
         raise NotImplementedError("stree: tree verification in vLLM needs an unquantised KV cache")
-    block, head_dim = key_cache.shape[2], key_cache.shape[3]
-    layout = CacheLayout.probe(layer, block, head_dim, key_cache.dtype, impl.kv_cache_dtype)
+    if layout is None:
+        layout = CacheLayout.probe(layer, key_cache.shape[2], key_cache.shape[3], key_cache.dtype,
+                                   impl.kv_cache_dtype)
+    block = layout.block_size(key_cache)
     heads = query.shape[1]
     rows = output.view(output.shape[0], heads, -1)
     for g, blocks, allowed in step.contexts(metadata, block):
         # masked positions (past a row's length) hold finite K/V: vLLM zero-fills its KV cache
-        k, v = (_gather(c, i, blocks).float() for c, i in ((key_cache, layout.key_order),
-                                                          (value_cache, layout.value_order)))
+        k, v = layout.gather(key_cache, blocks).float(), layout.gather(value_cache, blocks, value=True).float()
         q = query[g.index].transpose(1, 2).float()  # (b, heads, m, d), fp32 math
         mask = allowed[:, None]
         if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
@@ -381,7 +419,7 @@ def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices
         window = torch.stack([conv_state[slot, :, accepted[i] - 1:accepted[i] - 1 + width - 1]
                               for slot, i in zip(slots, rows)])
         committed = F.pad(window, (1, 0))  # mamba layout: width columns, the first unused
-        tables = g.tree.conv_scan_tables(width, x.shape[1])  # cached on the template
+        tables = g.tree(x.device).conv_scan_tables(width, x.shape[1])  # cached on the template
         xbc = x[g.index]
         y = tree_conv(xbc, committed.to(x.dtype), weight, bias, tables["window"],
                       activation="silu" if activation in ("silu", "swish", True) else None,
@@ -405,9 +443,10 @@ def tree_state_update(ssm_state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_
         # the state after the request's last accepted token, in slot num_accepted - 1
         h0 = ssm_state[[s[accepted[i] - 1] for s, i in zip(slots, rows)]].float()
         xs, bs = x[g.index], B[g.index]
-        y, dt_out = tree_scan(xs, dt[:, :, 0][g.index], a_h, bs, C[g.index], g.tree.mask, D=D,
+        tree = g.tree(x.device)
+        y, dt_out = tree_scan(xs, dt[:, :, 0][g.index], a_h, bs, C[g.index], tree.mask, D=D,
                               dt_bias=None if dt_bias is None else dt_bias[:, 0], dt_softplus=dt_softplus,
-                              initial_states=h0, tables=None if x.is_cuda else g.tree.scan_tables())
+                              initial_states=h0, tables=None if x.is_cuda else tree.scan_tables())
         out[g.index] = y.to(out.dtype)
         step.scan.append(_ScanGroup(g, ssm_state, slots, h0, xs, dt_out, a_h, bs))
     return sorted(decode.values())
@@ -493,8 +532,10 @@ def patch_trees() -> None:
     _patch_mamba_ops()
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():  # trees are refused at start-up elsewhere (speculative.translate)
+    if current_platform.is_cpu():
         _patch_cpu_attention()
+    elif current_platform.is_cuda():  # never run; refused at start-up unless asked for (speculative.translate)
+        _patch_flash_attention()
 
 
 def _patch_mamba_ops() -> None:
@@ -563,3 +604,24 @@ def _patch_cpu_attention() -> None:
         return output
 
     CPUAttentionBackendImpl.forward = forward
+
+
+def _patch_flash_attention() -> None:
+    """The tree rows on vLLM's FlashAttention backend (GPU), as on the CPU one. Written against
+    vLLM 0.32's layout, which :func:`tree_attention` is tested on with CPU tensors; never run on a
+    GPU (``STREE_VLLM_GPU_TREES``, see :mod:`stree.vllm.speculative`)."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    original = FlashAttentionImpl.forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        step = current()
+        if step is None or attn_metadata is None:
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if not step.covers(attn_metadata.query_start_loc.shape[0] - 1):  # other rows: vLLM's kernel first
+            original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step, FlashLayout)
+        return output
+
+    FlashAttentionImpl.forward = forward

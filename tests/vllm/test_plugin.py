@@ -143,3 +143,25 @@ def test_draft_vocabulary_mismatch_refused_at_start_up(tmp_path):
     small = drafts.unrelated(1000, str(tmp_path / "small"))
     err = _refused_at_start(_with_spec({"method": "stree", "model": small}))
     assert "draft's vocabulary (1000 tokens" in err and "target's (4096)" in err
+
+
+def test_trees_on_a_gpu_need_the_opt_in_and_eager_mode(monkeypatch):
+    """stree's tree verification on vLLM's FlashAttention backend has never run on a GPU: there,
+    a tree (or a stree-verified chain) is refused unless ``STREE_VLLM_GPU_TREES=1`` asks for it,
+    and then only with ``enforce_eager`` (CUDA graphs would replay attention without the tree
+    mask); vLLM-verified chains pass."""
+    from vllm.platforms import current_platform
+
+    from stree.vllm.speculative import ENV, GPU_TREES, translate
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setenv(ENV, "")  # translate() writes it
+    monkeypatch.delenv(GPU_TREES, raising=False)
+    tree = {"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2"}
+    with pytest.raises(ValueError, match=f"CPU attention backend only so far .*{GPU_TREES}=1"):
+        translate(tree, 4096, enforce_eager=True)
+    assert translate({"method": "stree", "model": DRAFT, "tree": "chain:4"}, 4096)["method"] == "custom_class"
+    monkeypatch.setenv(GPU_TREES, "1")
+    with pytest.raises(ValueError, match="needs enforce_eager=True"):
+        translate(tree, 4096, enforce_eager=False)
+    assert translate(tree, 4096, enforce_eager=True)["num_speculative_tokens"] == 4

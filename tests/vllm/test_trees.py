@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
-from stree.vllm.trees import (CacheLayout, DraftedTree, TreeRow, TreeStep, tree_attention, tree_conv_update,
-                              tree_state_update)
+from stree.vllm.trees import (CacheLayout, DraftedTree, FlashLayout, TreeRow, TreeStep, tree_attention,
+                              tree_conv_update, tree_state_update)
 
 PARENTS = [-1, 0, 0, 1, 1, 3, 2]
 CHAIN = [-1, 0, 1, 2]
@@ -112,8 +112,12 @@ def test_tree_scan_equals_each_path_as_a_sequence_and_commits_the_path():
         torch.testing.assert_close(state[own[len(path) - 1]], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("block_size", [16, 128])  # the CPU kernel lays K out differently for these
-def test_tree_attention_on_vllm_cache_and_compaction(block_size):
+@pytest.mark.parametrize("layout, block_size", [("cpu", 16), ("cpu", 128), ("flash", 16)],
+                         ids=["cpu-16", "cpu-128", "flash-16"])  # the CPU kernel lays K out differently for 16, 128
+def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size):
+    """On vLLM's CPU cache (written by vLLM's own op, its layout probed) and on FlashAttention's
+    GPU layout (written here on CPU tensors: ``(blocks, kv_heads, block_size, 2 * head_dim)``, K
+    first), which no GPU has run."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -121,29 +125,38 @@ def test_tree_attention_on_vllm_cache_and_compaction(block_size):
     heads, kv_heads, hd = 4, 2, 64
     contexts = [21, 40, 3]  # committed tokens per request
     layer = SimpleNamespace(isa=_get_attn_isa(torch.float32, block_size, hd))
-    impl = SimpleNamespace(alibi_slopes=None, sliding_window=-1, sinks=None, is_fp8_kv_cache=False, scale=hd ** -0.5,
-                           logits_soft_cap=0, kv_cache_dtype="auto")
+    impl = SimpleNamespace(alibi_slopes=None, sliding_window=-1 if layout == "cpu" else (-1, -1), sinks=None,
+                           scale=hd ** -0.5, logits_soft_cap=0, kv_cache_dtype="auto")
     tables = [[5, 2, 7], [1, 6, 3, 4], [8]]  # each request's blocks, in order
     lengths = [c + len(parents) for c, (parents, _) in zip(contexts, REQUESTS)]
     width = max(map(len, tables))
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    cache = torch.zeros(9, kv_heads, 2 * block_size, hd)
-    key_cache, value_cache = cache.chunk(2, dim=2)
+    if layout == "cpu":
+        cache = torch.zeros(9, kv_heads, 2 * block_size, hd)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+    else:
+        cache = torch.zeros(9, kv_heads, block_size, 2 * hd)
+        key_cache, value_cache = cache.transpose(1, 2).split(hd, dim=-1)  # as FlashAttentionImpl.forward
     keys, values, slot_of = [], [], []
     for r, length in enumerate(lengths):
         pos = torch.arange(length)
         slot_of.append(block_table[r, pos // block_size].long() * block_size + pos % block_size)
         keys.append(torch.randn(length, kv_heads, hd))
         values.append(torch.randn(length, kv_heads, hd))
-        ops.cpu_attn_reshape_and_cache(keys[r], values[r], key_cache, value_cache, slot_of[r], layer.isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        if layout == "cpu":
+            ops.cpu_attn_reshape_and_cache(keys[r], values[r], key_cache, value_cache, slot_of[r], layer.isa,
+                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        else:
+            block, offset = slot_of[r] // block_size, slot_of[r] % block_size
+            cache[block, :, offset] = torch.cat([keys[r], values[r]], dim=-1)
     query = torch.randn(TOKENS, heads, hd)
     output = torch.zeros(TOKENS, heads * hd)
     metadata = SimpleNamespace(query_start_loc=torch.tensor(STARTS + [TOKENS]), seq_lens=torch.tensor(lengths),
                                block_table=block_table,
                                slot_mapping=torch.cat([s[c:] for s, c in zip(slot_of, contexts)]))
     step = _step()
-    tree_attention(impl, layer, query, key_cache, value_cache, metadata, output, step)
+    tree_attention(impl, layer, query, key_cache, value_cache, metadata, output, step,
+                   FlashLayout if layout == "flash" else None)
     out = output.view(TOKENS, heads, hd)
     for (parents, _), start, context, ks, vs in zip(REQUESTS, STARTS, contexts, keys, values):
         for node in range(len(parents)):
@@ -154,12 +167,17 @@ def test_tree_attention_on_vllm_cache_and_compaction(block_size):
             torch.testing.assert_close(out[start + node], torch.einsum("hl,lhd->hd", probs, v), rtol=1e-5, atol=1e-5)
     _accept(step)
     step.commit()  # each path's K/V now sit at context + 0 .. context + a
-    layout = CacheLayout.probe(layer, block_size, hd, torch.float32, "auto")
+    if layout == "cpu":
+        probed = CacheLayout.probe(layer, block_size, hd, torch.float32, "auto")
+        read_k, read_v = (lambda s: _read(key_cache, probed.key, s)), (lambda s: _read(value_cache, probed.value, s))
+    else:
+        read_k, read_v = ((lambda s, half=half: cache[s // block_size, :, s % block_size][..., half])
+                          for half in (slice(None, hd), slice(hd, None)))
     for (_, path), context, slots, ks, vs in zip(REQUESTS, contexts, slot_of, keys, values):
         moved = slots[context:context + len(path)]
-        assert torch.equal(_read(key_cache, layout.key, moved), ks[[context + i for i in path]])
-        assert torch.equal(_read(value_cache, layout.value, moved), vs[[context + i for i in path]])
-        assert torch.equal(_read(key_cache, layout.key, slots[:context]), ks[:context])  # context untouched
+        assert torch.equal(read_k(moved), ks[[context + i for i in path]])
+        assert torch.equal(read_v(moved), vs[[context + i for i in path]])
+        assert torch.equal(read_k(slots[:context]), ks[:context])  # context untouched
 
 
 def _read(cache, index, slots):
