@@ -590,20 +590,11 @@ def _patch_mamba_ops() -> None:
 def _patch_cpu_attention() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-    original = CPUAttentionBackendImpl.forward
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        step = current()
-        if step is None or attn_metadata is None:
-            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if not step.covers(attn_metadata.query_start_loc.shape[0] - 1):  # other rows: vLLM's kernel first
-            original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+    def split(impl, kv_cache):  # (blocks, kv_heads, 2 * block_size, head_dim): K blocks, then V
         blocks, kv_heads, block_size, _ = kv_cache.size()
-        key_cache, value_cache = kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-        tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step)
-        return output
+        return kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
 
-    CPUAttentionBackendImpl.forward = forward
+    _wrap_attention(CPUAttentionBackendImpl, split, None)
 
 
 def _patch_flash_attention() -> None:
@@ -612,7 +603,16 @@ def _patch_flash_attention() -> None:
     GPU (``STREE_VLLM_GPU_TREES``, see :mod:`stree.vllm.speculative`)."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-    original = FlashAttentionImpl.forward
+    def split(impl, kv_cache):  # as FlashAttentionImpl.forward splits it
+        return kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+
+    _wrap_attention(FlashAttentionImpl, split, FlashLayout)
+
+
+def _wrap_attention(impl_class, split, layout) -> None:
+    """After ``impl_class.forward`` (skipped when every row is a tree), recompute the tree rows
+    under the tree mask over the K and V caches ``split(impl, kv_cache)`` of ``layout``."""
+    original = impl_class.forward
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         step = current()
@@ -620,8 +620,8 @@ def _patch_flash_attention() -> None:
             return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if not step.covers(attn_metadata.query_start_loc.shape[0] - 1):  # other rows: vLLM's kernel first
             original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step, FlashLayout)
+        key_cache, value_cache = split(self, kv_cache)
+        tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step, layout)
         return output
 
-    FlashAttentionImpl.forward = forward
+    impl_class.forward = forward
