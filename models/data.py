@@ -150,6 +150,30 @@ class Batcher:
         return win[:, :-1], win[:, 1:]
 
 
+class MixedBatcher:
+    """A :class:`Batcher`'s batches with their last ``round(batch_size * mix)`` rows replaced by rows of
+    ``rows (n, seq_len + 1)`` picked at random (seeded). The corpus batcher draws whole batches
+    whatever ``mix`` is, so its windows do not depend on the mixture."""
+
+    def __init__(self, corpus: Batcher, rows: torch.Tensor, mix: float, seed: int):
+        if rows.dim() != 2 or rows.shape[1] != corpus.seq_len + 1:
+            raise ValueError(f"rows must be (n, {corpus.seq_len + 1}), got {tuple(rows.shape)}")
+        if not 0.0 <= mix <= 1.0:
+            raise ValueError(f"mix must be in [0, 1], got {mix}")
+        self.corpus, self.rows = corpus, rows
+        self.k = round(corpus.batch_size * mix) if rows.shape[0] else 0
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both ``(batch, seq_len)`` int64."""
+        x, y = self.corpus.next()
+        if self.k == 0:
+            return x, y
+        picked = self.rows[torch.randint(0, self.rows.shape[0], (self.k,), generator=self.gen)].long()
+        keep = x.shape[0] - self.k
+        return torch.cat([x[:keep], picked[:, :-1]]), torch.cat([y[:keep], picked[:, 1:]])
+
+
 def eval_windows(stream: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
     """Non-overlapping ``(n, seq_len + 1)`` windows from the start of a stream (deterministic), spread
     evenly over the whole stream when ``max_windows`` caps them."""

@@ -2,13 +2,17 @@
 
 Fully offline and seeded. The corpus is the Python standard library's source (``models/data.py``), the
 tokenizer a byte-level BPE trained on its training split, the target a MambaInLlama-layout hybrid
-(``stree.hybrid.MambaInLlamaForCausalLM``) trained with AdamW + cosine schedule, and the draft the same
-class with no attention layers and two layers, distilled from the target's logits (forward KL, computed
-on the fly, plus a little cross-entropy on the data). Both are saved in the public MambaInLlama layout
-(config.json + mamba_config.json + model.safetensors) with the tokenizer beside each, evaluated after
-loading back (so the card's numbers are those of the shipped weights), and described in a model card.
+(``stree.hybrid.MambaInLlamaForCausalLM``) trained with AdamW + cosine schedule. The trained target
+then writes text of its own (continuations of training windows, greedy and sampled), and the draft,
+the same class with no attention layers and two layers, is distilled from the target's logits
+(forward KL, computed on the fly, plus a little cross-entropy) on a mixture of that text and the
+corpus: a draft is asked to guess what the target says, so it learns on the target's text. Both
+are saved in the public MambaInLlama layout (config.json + mamba_config.json + model.safetensors)
+with the tokenizer beside each, evaluated after loading back (so the card's numbers are those of
+the shipped weights), and described in a model card.
 
-    python models/recipe.py --out models/stree-tiny                      # CPU: ~100 min on 2 quiet cores
+    python models/recipe.py --out models/stree-tiny                      # CPU: target, then draft
+    python models/recipe.py --out models/stree-tiny --target-from models/stree-tiny/target  # draft only
     python models/recipe.py --out /tmp/trial/stree-tiny --budget-minutes 2  # calibration run
     python models/recipe.py --out /tmp/big --device cuda                 # same shapes, big batches, GPU
 
@@ -91,6 +95,23 @@ class TrainSettings:
 
 
 @dataclass
+class ContinuationSettings:
+    """Text the trained target writes itself, for the draft's distillation (sequence-level KD, as
+    DistillSpec and EAGLE's regenerated data do): what a draft must predict at decoding time is the
+    target's own text, which the corpus is not. ``sequences`` continuations of ``prompt_len``-token
+    windows of the training stream, long enough to fill one draft batch row (``seq_len + 1``
+    tokens in all), written by the target's own batched decoding; batches alternate between the
+    ``temperatures``. ``mix`` is the fraction of every draft batch drawn from them (the rest is
+    corpus text). ``sequences=0`` distills on the corpus alone."""
+
+    sequences: int = 8192
+    prompt_len: int = 64
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    batch_size: int = 128
+    mix: float = 0.75
+
+
+@dataclass
 class RecipeConfig:
     """Everything that determines a run (recorded in the card and metrics.json)."""
 
@@ -113,19 +134,23 @@ class RecipeConfig:
     # 2e-3: the 16M-parameter target is less stable than the small draft at 3e-3
     target_train: TrainSettings = field(default_factory=lambda: TrainSettings(budget_s=0.0, lr=2e-3))
     draft_train: TrainSettings = field(default_factory=lambda: TrainSettings(budget_s=0.0))
+    continuations: ContinuationSettings = field(default_factory=ContinuationSettings)
     kd_ce_weight: float = 0.1  # draft loss = KL(target || draft) + kd_ce_weight * CE(data)
     kd_temperature: float = 1.0
     eval_windows: int = 128  # held-out windows of seq_len tokens used for evaluation
     save_dtype: str = "float16"  # storage dtype; loading casts back to fp32 (keeps both dirs < 40 MB)
     device: str = "cpu"
     threads: int = 2
+    # A target checkpoint written by an earlier run (its metrics.json beside it): distil a new draft
+    # for it instead of training a target; its training settings and statistics are carried over.
+    target_from: str | None = None
 
 
 # Default step counts. On 2 quiet CPU cores the target trains at ~1,300 tokens/s (79 min for
 # 3,000 x 2,048 = 6.1M tokens, 1.9 epochs) and the draft's distillation, which runs the target
 # forward too, at ~2,700 (23 min for 3.7M tokens). The CUDA preset's batches are 8x bigger.
 TARGET_STEPS = 3000
-DRAFT_STEPS = 1800
+DRAFT_STEPS = 3000
 
 
 def preset(device: str) -> RecipeConfig:
@@ -300,6 +325,50 @@ def kd_loss(target, ce_weight: float, temperature: float):
 
 
 # ------------------------------------------------------------------------------------------------
+# The target's own text
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def continue_text(target, prompts: torch.Tensor, new_tokens: int, temperature: float,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """``prompts (b, p)`` followed by the target's own continuation (its batched decoding,
+    ``stree.generate(method="ar")``, no EOS stop): ``(b, p + new_tokens)`` int64. The target is
+    patched as a copy, so the trained module stays as it was."""
+    import stree
+
+    model = stree.patch(copy.deepcopy(target).eval())
+    out = stree.generate(model, None, prompts, max_new_tokens=new_tokens, temperature=temperature,
+                         method="ar", generator=generator)
+    return out.sequences[:, :prompts.shape[1] + new_tokens]
+
+
+def write_continuations(target, stream: torch.Tensor, s: ContinuationSettings, seq_len: int, seed: int,
+                        device: str, log=print) -> tuple[torch.Tensor, dict]:
+    """``(s.sequences, seq_len + 1)`` int32 rows for the draft's batches: ``s.prompt_len`` tokens of
+    ``stream`` at seeded random offsets, continued by the target; batch ``i`` at temperature
+    ``s.temperatures[i % len]``. Returns the rows and their statistics (tokens, time)."""
+    new = seq_len + 1 - s.prompt_len
+    if new < 1:
+        raise ValueError(f"prompt_len {s.prompt_len} leaves no room in a row of {seq_len + 1} tokens")
+    rows = torch.empty(s.sequences, seq_len + 1, dtype=torch.int32)
+    starts = torch.Generator().manual_seed(seed)
+    sampler = torch.Generator(device).manual_seed(seed)
+    t0 = time.perf_counter()
+    for i, lo in enumerate(range(0, s.sequences, s.batch_size)):
+        b = min(s.batch_size, s.sequences - lo)
+        offsets = torch.randint(0, stream.numel() - s.prompt_len, (b,), generator=starts)
+        prompts = stream[offsets[:, None] + torch.arange(s.prompt_len)].long().to(device)
+        temperature = s.temperatures[i % len(s.temperatures)]
+        rows[lo:lo + b] = continue_text(target, prompts, new, temperature, sampler).cpu().to(torch.int32)
+        el = time.perf_counter() - t0
+        log(f"[continuations] {lo + b:5d}/{s.sequences}  T={temperature}  "
+            f"{(lo + b) * new / el:6.0f} new tokens/s  {el:5.0f}s")
+    seconds = time.perf_counter() - t0
+    tokens = s.sequences * new
+    return rows, {"sequences": s.sequences, "new_tokens": tokens, "seconds": round(seconds, 1),
+                  "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+
+
+# ------------------------------------------------------------------------------------------------
 # Evaluation, saving
 # ------------------------------------------------------------------------------------------------
 @torch.no_grad()
@@ -336,6 +405,42 @@ def evaluate(target, draft, windows: torch.Tensor, device: str, batch_size: int 
     out["draft_ppl"] = math.exp(out["draft_loss"])
     out["eval_tokens"] = n
     return out
+
+
+@torch.no_grad()
+def continuation_agreement(target, draft, windows: torch.Tensor, prompt_len: int, device: str) -> float:
+    """Top-1 agreement on the target's own greedy text, which is what greedy speculation verifies: each
+    held-out window's first ``prompt_len`` tokens continued greedily by the target to the window's
+    length, then argmax draft == argmax target over the continuation (teacher-forced)."""
+    seqs = continue_text(target, windows[:, :prompt_len].to(device), windows.shape[1] - prompt_len, 0.0)
+    x = seqs[:, :-1]
+    at = _logits(target(x)).argmax(-1)[:, prompt_len - 1:]
+    ad = _logits(draft(x)).argmax(-1)[:, prompt_len - 1:]
+    return (at == ad).float().mean().item()
+
+
+def load_trained_target(cfg: RecipeConfig, tok):
+    """The target of an earlier run, ``cfg.target_from`` (a directory this recipe wrote, its
+    ``metrics.json`` one level up), in place of training one: its stored weights cast to fp32, and its
+    training statistics with the command that trained it. ``cfg.target_train`` becomes the settings
+    that trained it, so the card describes them. Refused unless its shape is ``cfg.target`` and its
+    tokenizer is the one this run trained (same corpus, same vocabulary)."""
+    from tokenizers import Tokenizer
+
+    src = Path(cfg.target_from)
+    metrics = src.parent / "metrics.json"
+    for f in (src / "config.json", src / "tokenizer.json", metrics):
+        if not f.exists():
+            raise FileNotFoundError(f"--target-from {src}: {f} is missing (a target this recipe wrote is needed)")
+    old = json.loads(metrics.read_text())
+    if old["config"]["target"] != json.loads(json.dumps(dataclasses.asdict(cfg.target))):
+        raise ValueError(f"--target-from {src}: its shape {old['config']['target']} is not this recipe's "
+                         f"{dataclasses.asdict(cfg.target)}")
+    if json.loads(Tokenizer.from_file(str(src / "tokenizer.json")).to_str()) != json.loads(tok.to_str()):
+        raise ValueError(f"--target-from {src}: its tokenizer differs from the one trained on this corpus")
+    settings = dict(old["config"]["target_train"], betas=tuple(old["config"]["target_train"]["betas"]))
+    cfg.target_train = TrainSettings(**settings)
+    return load_checkpoint(src), dict(old["train"]["target"], trained_by=old["command"])
 
 
 def save_checkpoint(model, tok, directory: Path, dtype: str) -> int:
@@ -379,12 +484,20 @@ def run(cfg: RecipeConfig, out_dir: str | os.PathLike, card_path: str | os.PathL
         f"vocab {tok.get_vocab_size()}; {time.perf_counter() - t_start:.1f}s")
     max_len = max(cfg.target_train.seq_len, cfg.draft_train.seq_len, 2048)
 
-    target = build_model(cfg.target, tok.get_vocab_size(), eos, max_len, cfg.seed)
-    t_stats = train(target, ce_loss, data.Batcher(train_stream, cfg.target_train.batch_size, seq_len, cfg.seed),
-                    cfg.target_train, device, "target", log)
+    if cfg.target_from is not None:
+        target, t_stats = load_trained_target(cfg, tok)
+    else:
+        target = build_model(cfg.target, tok.get_vocab_size(), eos, max_len, cfg.seed)
+        t_stats = train(target, ce_loss, data.Batcher(train_stream, cfg.target_train.batch_size, seq_len, cfg.seed),
+                        cfg.target_train, device, "target", log)
+    target.to(device)
+    rows, c_stats = write_continuations(target, train_stream, cfg.continuations, cfg.draft_train.seq_len,
+                                        cfg.seed + 2, device, log)
+    batcher = data.MixedBatcher(
+        data.Batcher(train_stream, cfg.draft_train.batch_size, cfg.draft_train.seq_len, cfg.seed + 1),
+        rows, cfg.continuations.mix, cfg.seed + 3)
     draft = build_model(cfg.draft, tok.get_vocab_size(), eos, max_len, cfg.seed + 1)
-    d_stats = train(draft, kd_loss(target, cfg.kd_ce_weight, cfg.kd_temperature),
-                    data.Batcher(train_stream, cfg.draft_train.batch_size, cfg.draft_train.seq_len, cfg.seed + 1),
+    d_stats = train(draft, kd_loss(target, cfg.kd_ce_weight, cfg.kd_temperature), batcher,
                     cfg.draft_train, device, "draft", log)
 
     sizes = {}
@@ -397,6 +510,8 @@ def run(cfg: RecipeConfig, out_dir: str | os.PathLike, card_path: str | os.PathL
     log(f"max |logit| change from {cfg.save_dtype} storage: " +
         ", ".join(f"{k} {v:.2e}" for k, v in storage_err.items()))
     metrics = evaluate(target_l, draft_l, windows, device)
+    metrics["greedy_text_agreement"] = continuation_agreement(target_l, draft_l, windows,
+                                                              cfg.continuations.prompt_len, device)
     log("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
 
     bytes_per_token = corpus.heldout_bytes / max(held_stream.numel(), 1)
@@ -409,7 +524,7 @@ def run(cfg: RecipeConfig, out_dir: str | os.PathLike, card_path: str | os.PathL
                    "heldout_bytes": corpus.heldout_bytes, "heldout_bytes_per_token": bytes_per_token,
                    "heldout_paths": corpus.heldout_paths},
         "params": {"target": count_params(target), "draft": count_params(draft)},
-        "train": {"target": t_stats, "draft": d_stats},
+        "train": {"target": t_stats, "continuations": c_stats, "draft": d_stats},
         "eval": metrics,
         "bits_per_byte": {k: metrics[f"{k}_loss"] / math.log(2) / bytes_per_token for k in ("target", "draft")},
         "checkpoint_bytes": sizes,
@@ -475,6 +590,16 @@ def render_card(r: dict, rel: str) -> str:
                 f"clip {s['grad_clip']}")
 
     mb = {k: v / 1e6 for k, v in r["checkpoint_bytes"].items()}
+    cc, ct = c["continuations"], tr["continuations"]
+    continuations = (
+        f"{ct['sequences']:,} windows of {cc['prompt_len']} training tokens at random offsets, each continued "
+        f"by the trained target's own decoding to {c['draft_train']['seq_len'] + 1} tokens (batches of "
+        f"{cc['batch_size']}, alternately at temperature {' and '.join(map(str, cc['temperatures']))}): "
+        f"{ct['new_tokens'] / 1e6:.2f}M new tokens in {ct['seconds'] / 60:.1f} min ({ct['tokens_per_s']:.0f} tokens/s)."
+        if ct["sequences"] else "none (the draft is distilled on corpus text only).")
+    target_origin = ("" if "trained_by" not in tr["target"] else
+                     f"\n  Trained by `{tr['target']['trained_by']}`; this run distilled a new draft for it "
+                     f"(`--target-from`).")
     return f"""# stree-tiny: a real target/draft pair for speculative decoding tests and benchmarks
 
 Generated by `models/recipe.py` (do not edit by hand; rerun the recipe). Two small models trained here,
@@ -491,9 +616,12 @@ offline, on Python source code, so that speculative decoding has real (not rando
 | held-out top-1 accuracy | {e['target_top1_acc']:.4f} | {e['draft_top1_acc']:.4f} |
 
 **Draft vs target on held-out text** ({e['eval_tokens']:,} positions, teacher-forced):
-top-1 agreement (argmax draft == argmax target; the per-token acceptance rate of greedy speculation)
-**{e['top1_agreement']:.4f}**; expected per-token acceptance of speculative sampling at temperature 1
-(mean of sum_x min(p, q)) **{e['sampling_acceptance']:.4f}**.
+top-1 agreement (argmax draft == argmax target) **{e['top1_agreement']:.4f}**; expected per-token
+acceptance of speculative sampling at temperature 1 (mean of sum_x min(p, q))
+**{e['sampling_acceptance']:.4f}**. On the target's own greedy text (the first
+{cc['prompt_len']} tokens of each held-out window continued greedily by the target to
+{c['target_train']['seq_len'] + 1} tokens), which is what greedy speculation verifies, top-1
+agreement (the per-token acceptance rate of greedy speculation) is **{e['greedy_text_agreement']:.4f}**.
 
 ## Layout and loading
 Each directory is a public MambaInLlama checkpoint: `config.json` (Llama config), `mamba_config.json`
@@ -515,9 +643,11 @@ on any machine. Evaluation uses {c['eval_windows']} non-overlapping held-out win
 {c['target_train']['seq_len']} tokens spread over the held-out stream.
 
 ## Training
-- Target: {phase(tr['target'], c['target_train'])}. Objective: next-token cross-entropy.
+- Target: {phase(tr['target'], c['target_train'])}. Objective: next-token cross-entropy.{target_origin}
+- Target-written text: {continuations}
 - Draft: {phase(tr['draft'], c['draft_train'])}. Objective: KL(target || draft) at temperature
-  {c['kd_temperature']} on target logits computed on the fly, + {c['kd_ce_weight']} x cross-entropy.
+  {c['kd_temperature']} on target logits computed on the fly, + {c['kd_ce_weight']} x cross-entropy;
+  {cc['mix']:.0%} of each batch is target-written text, the rest corpus windows.
 - Seed {c['seed']}; {r['env']['device']}, {r['env']['threads']} threads; Python {r['env']['python']},
   torch {r['env']['torch']}; {r['wall_seconds'] / 60:.1f} min wall clock in all.
 - Command: `{r['command']}`
@@ -545,6 +675,12 @@ def parse_args(argv=None):
                    help=f"target training steps (default {TARGET_STEPS}, unless --budget-minutes)")
     p.add_argument("--draft-steps", type=int, default=None,
                    help=f"draft distillation steps (default {DRAFT_STEPS}, unless --budget-minutes)")
+    p.add_argument("--target-from", default=None, metavar="DIR",
+                   help="distil a new draft for the target an earlier run wrote to DIR (its metrics.json "
+                        "one level up) instead of training a target")
+    p.add_argument("--continuations", type=int, default=None, metavar="N",
+                   help="target-written sequences for the draft's distillation (default "
+                        f"{ContinuationSettings.sequences}; 0: corpus text only)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
     p.add_argument("--max-files", type=int, default=None, help="corpus slice (smoke runs)")
@@ -566,6 +702,9 @@ def config_from_args(args) -> RecipeConfig:
     if args.threads is not None:
         cfg.threads = args.threads
     cfg.max_files = args.max_files
+    cfg.target_from = args.target_from
+    if args.continuations is not None:
+        cfg.continuations.sequences = args.continuations
     return cfg
 
 

@@ -27,6 +27,7 @@ def tiny_config() -> "recipe.RecipeConfig":
                     intermediate_size=32),
         target_train=recipe.TrainSettings(budget_s=0.0, steps=3, batch_size=2, seq_len=32, log_every=1),
         draft_train=recipe.TrainSettings(budget_s=0.0, steps=3, batch_size=2, seq_len=32, log_every=1),
+        continuations=recipe.ContinuationSettings(sequences=3, prompt_len=8, batch_size=2, mix=0.5),
         eval_windows=4, threads=1)
     return cfg
 
@@ -79,3 +80,71 @@ def test_schedule_and_split():
     assert data.is_heldout("asyncio/futures.py", 5.0) == data.is_heldout("asyncio/futures.py", 5.0)
     picked = sum(data.is_heldout(f"m{i}.py", 5.0) for i in range(4000))
     assert 120 < picked < 280
+
+
+def test_mixed_batcher_rows_and_corpus():
+    """The last round(batch * mix) rows come from the given rows, the rest are the corpus batcher's
+    own windows, which do not depend on the mixture."""
+    from models import data
+    stream = torch.arange(1000, dtype=torch.int32)
+    rows = torch.arange(10 * 17, dtype=torch.int32).reshape(10, 17) + 5000
+    plain = data.Batcher(stream, 4, 16, seed=3)
+    mixed = data.MixedBatcher(data.Batcher(stream, 4, 16, seed=3), rows, mix=0.5, seed=4)
+    for _ in range(3):
+        (px, py), (mx, my) = plain.next(), mixed.next()
+        assert torch.equal(mx[:2], px[:2]) and torch.equal(my[:2], py[:2])
+        assert (mx[2:] >= 5000).all() and torch.equal(my[2:] - mx[2:], torch.ones(2, 16, dtype=torch.long))
+        assert all(any(torch.equal(r[:-1].long(), x) for r in rows) for x in mx[2:])
+    none = data.MixedBatcher(data.Batcher(stream, 4, 16, seed=3), rows[:0], mix=0.5, seed=4)
+    assert torch.equal(none.next()[0], data.Batcher(stream, 4, 16, seed=3).next()[0])
+    with pytest.raises(ValueError, match=r"\(n, 17\)"):
+        data.MixedBatcher(plain, rows[:, :-1], mix=0.5, seed=4)
+    with pytest.raises(ValueError, match="mix"):
+        data.MixedBatcher(plain, rows, mix=1.5, seed=4)
+
+
+def test_continuations_are_the_targets_own_decoding(tmp_path):
+    """Greedy rows continue each prompt with the target's argmax (checked by a full forward over the
+    row, an oracle independent of the decoding loop); prompts are windows of the stream."""
+    cfg = tiny_config()
+    from stree.hybrid import MambaInLlamaForCausalLM  # noqa: F401  (the class build_model uses)
+    target = recipe.build_model(cfg.target, 320, 0, 64, seed=1).eval()
+    stream = torch.randint(2, 320, (500,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    s = recipe.ContinuationSettings(sequences=3, prompt_len=8, temperatures=(0.0,), batch_size=2)
+    rows, stats = recipe.write_continuations(target, stream, s, seq_len=20, seed=5, device="cpu",
+                                             log=lambda m: None)
+    assert rows.shape == (3, 21) and stats["new_tokens"] == 3 * 13
+    with torch.no_grad():
+        logits = recipe._logits(target(rows[:, :-1].long()))
+    assert torch.equal(logits[:, 7:].argmax(-1), rows[:, 8:].long())
+    text = "".join(map(chr, stream.tolist()))
+    assert all("".join(map(chr, r[:8].tolist())) in text for r in rows)
+    with pytest.raises(ValueError, match="no room"):
+        recipe.write_continuations(target, stream, recipe.ContinuationSettings(prompt_len=21), 20, 5, "cpu")
+
+
+def test_target_from_refuses_another_recipe(tmp_path):
+    """--target-from loads an earlier run's target only when this run's shape and tokenizer match."""
+    out = tmp_path / "pair"
+    recipe.run(tiny_config(), out, command="first", log=lambda m: None)
+    cfg = tiny_config()
+    cfg.target_from = str(out / "target")
+    report = recipe.run(cfg, tmp_path / "again", command="second", log=lambda m: None)
+    assert report["train"]["target"]["trained_by"] == "first"
+    assert (tmp_path / "again" / "target" / "model.safetensors").read_bytes() == \
+        (out / "target" / "model.safetensors").read_bytes()
+    assert "Trained by `first`" in (tmp_path / "README.md").read_text()
+
+    other = tiny_config()
+    other.target_from = str(out / "target")
+    other.target.hidden_size = 48
+    with pytest.raises(ValueError, match="shape"):
+        recipe.run(other, tmp_path / "bad", command="x", log=lambda m: None)
+    other = tiny_config()
+    other.target_from = str(out / "target")
+    other.vocab_size = 300
+    with pytest.raises(ValueError, match="tokenizer"):
+        recipe.run(other, tmp_path / "bad", command="x", log=lambda m: None)
+    other.target_from = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        recipe.run(other, tmp_path / "bad", command="x", log=lambda m: None)
