@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", default=None,
                    help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | caterpillar:C1,C2,... | dyspec:N[:D] | "
                         "dyspec-paper:N | dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
-                        "(default: caterpillar:2,2,2,2 on a CPU, fig4a on a GPU; chain:4 for "
+                        "(default: caterpillar:2,2,2 on a CPU, fig4a on a GPU; chain:4 for "
                         "--method chain)")
     g.add_argument("--verifier", default=None,
                    choices=["greedy", "mss", "naive", "sps", "asps", "mss+asps"],

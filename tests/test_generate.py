@@ -299,8 +299,8 @@ def test_distribution_test_catches_a_wrong_rule():
 
 def test_default_drafter_follows_the_method_and_device(target, draft):
     assert default_drafter("tree", "cuda") == default_drafter("unrolled", "cpu") == "static:fig4a"
-    assert default_drafter("tree", torch.device("cpu")) == "caterpillar:2,2,2,2"
+    assert default_drafter("tree", torch.device("cpu")) == "caterpillar:2,2,2"
     assert default_drafter("chain", "cuda") == "chain:4"
     out = generate(target, draft, PROMPTS, 8)  # CPU models: the caterpillar
-    assert out.stats.drafter == "caterpillar:2,2,2,2"
+    assert out.stats.drafter == "caterpillar:2,2,2"
     assert resolve("tree", None, None, SamplingConfig(), device="cuda")[0].name == "static:fig4a"

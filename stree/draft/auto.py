@@ -31,7 +31,7 @@ predicted from a running acceptance profile:
 
 Candidates (:func:`default_candidates`, by device): on CUDA chains ``chain:1..6``, the static
 presets, caterpillars of depth 4 to 6 and ``dyspec:8/16/32``; elsewhere chains ``chain:2/4/6``
-and caterpillars of depth 4 and 5, whose draft runs one node per level (every candidate costs
+and caterpillars of depth 3 to 5, whose draft runs one node per level (every candidate costs
 exploration). A switch needs a predicted gain of ``switch_margin`` (3%) to avoid flapping.
 Draft level costs follow the level mechanism: each level forwards only the nodes it runs
 (``level_widths``).
@@ -85,8 +85,9 @@ DEFAULT_CANDIDATES = ("static:fig4a", "chain:1", "chain:2", "chain:3", "chain:4"
                       "caterpillar:2,2,2,2,2,2", "dyspec:8", "dyspec:16", "dyspec:32")
 # Off a GPU every node a draft level runs costs a draft step, so only shapes that draft one node
 # per level pay (docs/benchmarks.md), and every extra candidate costs exploration: on the shipped
-# pair (CPU) auto over all 18 ran 3-7% slower than over these 5, side by side.
-CPU_CANDIDATES = ("caterpillar:2,2,2,2", "chain:4", "caterpillar:2,2,2,2,2", "chain:2", "chain:6")
+# pair (CPU) auto over all 18 ran 3-7% slower than over 5 of these, side by side.
+CPU_CANDIDATES = ("caterpillar:2,2,2", "chain:4", "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "chain:2",
+                  "chain:6")
 
 
 def default_candidates(device=None) -> tuple[str, ...]:
