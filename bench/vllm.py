@@ -28,7 +28,8 @@ METHODS = {
     "ar": None,
     "stree-chain": {"method": "stree", "model": "{draft}", "tree": "chain:4"},
     "stree-chain-asps": {"method": "stree", "model": "{draft}", "tree": "chain:4", "verifier": "asps"},
-    "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2,2"},
+    "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2"},  # the CPU default
+    "stree-tree4": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2,2"},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
 }
 MARK = "BENCH-RESULT "

@@ -7,21 +7,21 @@ prints the first prompt's STree text, then tau, tokens/s and the speed-up over t
 decoding summed over the prompts, and checks that every run's text is identical to the other
 methods' on the same prompt (exactness: all must equal the target's greedy output).
 
-Several prompts, not one: how much a tree adds over a chain depends on the text (on HumanEval/0,
-whose continuation is repetitive, the second branch of a small tree is never taken and the tree's
-tau equals the chain's; on the next problems it is 5-25% higher), so one prompt would show the
-prompt more than the method.
+Several prompts, not one: how much a tree adds over a chain depends on the text (on the shipped
+pair the 4-deep caterpillar's tau is 3-20% above ``chain:4``'s from one HumanEval problem to the
+next), so one prompt would show the prompt more than the method.
 
 The tree is chosen for the device (``stree.default_drafter``, also the library's and the
 CLI's default), as STree's cost analysis (Eq. 7/8: time per token = t(N) / tau)
 says: on a GPU a verify pass costs about the same for 1 or 63 nodes, so the bushier Fig. 4a tree
 (13 nodes) pays; on a 2-core CPU every node the draft runs costs a draft step, and a draft level of
-2 nodes costs close to two of 1. So the CPU tree is a caterpillar (``caterpillar:2,2,2,2``): the
-draft's top-1 chain of depth 4, with the draft's second choice beside every chain node as a leaf.
-The draft runs one node per level, as for a chain, and never runs the leaves; the target verifies 9
+2 nodes costs close to two of 1. So the CPU tree is a caterpillar (``caterpillar:2,2,2``): the
+draft's top-1 chain of depth 3, with the draft's second choice beside every chain node as a leaf.
+The draft runs one node per level, as for a chain, and never runs the leaves; the target verifies 7
 nodes, and a rejected chain token is often rescued by its sibling (on the shipped pair, 10
-HumanEval problems at T = 0: tau 2.73 against ``chain:4``'s 2.38, 1.26x the model's own decoding
-against 1.18x; the 5-deep caterpillar accepts more, 2.83, but its extra level does not pay).
+HumanEval problems at T = 0: tau 2.80 against ``chain:4``'s 2.70 with one draft level fewer,
+1.35x the model's own decoding against 1.27x; the deeper caterpillars accept more, 3.00-3.21,
+but their extra levels do not pay).
 
 Each method runs ``--repeats`` times over the prompts, the methods interleaved per prompt (AR,
 chain, tree on prompt 1, then prompt 2, ...), and the table reports the median repeat, so a slow
