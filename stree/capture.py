@@ -8,10 +8,15 @@ host synchronisation. One graph is compiled per model and shape: the verify tree
 level width of the draft.
 
 Inductor compiles with *freezing*: the weights are constants of the graph, so on a CPU its linear
-layers run on weights packed once for MKL (what :func:`stree.prepack_linears` does for eager
-code, which steps aside inside a compiled graph) and the rest of the step is fused around them.
-A compiled step therefore sees the weights as they were when it was compiled: load or change
-weights before the first compiled call (steps are kept on the model).
+layers run on weights packed once (what :func:`stree.prepack_linears` does for eager code, which
+steps aside inside a compiled graph) and the rest of the step is fused around them. Which packed
+kernel: for fp32 weights and static shapes inductor picks MKL's packed GEMM
+(``mkl._mkl_linear``), which on the project's CPU ran 1.7x slower per call than oneDNN's inner
+product on a reordered weight, the kernel stree's eager steps use, and made a compiled verify
+step 1.3x slower than the eager one. Inside stree's compiled steps inductor therefore packs for
+oneDNN wherever eager stree would (:func:`_onednn_linears`), as it does itself for dynamic batch
+sizes and ahead-of-time compilation. A compiled step sees the weights as they were when it was
+compiled: load or change weights before the first compiled call (steps are kept on the model).
 """
 from __future__ import annotations
 
@@ -72,10 +77,45 @@ def compile_step(fn):
     freezing = inductor_config.patch(FREEZING)  # reusable: it keeps a stack of prior values
 
     def frozen(*args):
-        with freezing:
+        with freezing, _onednn_linears():
             return compiled(*args)
 
     return frozen
+
+
+@contextmanager
+def _onednn_linears():
+    """While inductor compiles inside the block, it packs a frozen fp32 CPU linear for oneDNN
+    (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, the eager packed path)
+    instead of MKL when ``rows * weight elements >= stree.layers.linear.PACK_MIN_WORK``, the rule
+    eager stree packs by; smaller ones keep inductor's choice. Inductor decides this in two
+    methods of its CPU device op (``torch._inductor.fx_passes.mkldnn_fusion``), which are
+    wrapped for the block only, so nothing else compiled in the process is affected; where they
+    do not exist (another torch, no oneDNN) the block changes nothing."""
+    try:
+        from torch._inductor.fx_passes import mkldnn_fusion
+        op = type(mkldnn_fusion._get_mkldnn_device_op("cpu"))
+        pack_weight, pack = op.pack_linear_weight, op.pack_linear
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+    except (ImportError, AttributeError, RuntimeError):
+        yield
+        return
+    from stree.layers.linear import PACK_MIN_WORK
+
+    def pack_linear_weight(self, graph, is_lp_weight, transpose_weight_node, batch_size):
+        weight = transpose_weight_node.args[0].meta["val"]  # the permute's input: the frozen weight
+        onednn = isinstance(batch_size, int) and batch_size * weight.numel() >= PACK_MIN_WORK
+        return pack_weight(self, graph, is_lp_weight or onednn, transpose_weight_node, batch_size)
+
+    def pack_linear(self, graph, is_lp_weight, batch_size, input, packed_weight_node, bias):
+        onednn = packed_weight_node.target is reorder or packed_weight_node.target is reorder.default
+        return pack(self, graph, is_lp_weight or onednn, batch_size, input, packed_weight_node, bias)
+
+    op.pack_linear_weight, op.pack_linear = pack_linear_weight, pack_linear
+    try:
+        yield
+    finally:
+        op.pack_linear_weight, op.pack_linear = pack_weight, pack
 
 
 def _own_code(fn):

@@ -220,3 +220,45 @@ def test_backend_failure_and_missing_compile_fall_back_to_eager(monkeypatch):
         out = stree.generate(other, None, prompt, 5, method="ar-tree", compile=True)
     assert getattr(other, "_stree_compiled", None) is None  # nothing was compiled
     assert out.sequences.tolist() == stree.generate(other, None, prompt, 5, method="ar-tree").sequences.tolist()
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch._C.has_mkl),
+                    reason="needs PyTorch's oneDNN and MKL CPU kernels")
+def test_compiled_linears_take_the_eager_packed_kernel():
+    """Inside stree's compiled steps a frozen fp32 linear with rows x weight elements >=
+    PACK_MIN_WORK runs oneDNN's inner product on a reordered weight (the kernel eager stree
+    prepacks for), not the MKL packed GEMM inductor picks for static shapes (1.7x slower per call
+    on the project's CPU); a smaller one keeps inductor's choice. Control: the same function
+    compiled with freezing but outside stree's steps gets MKL for both."""
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+    from torch._inductor.fx_passes import mkldnn_fusion
+    from stree.layers.linear import PACK_MIN_WORK
+
+    torch.manual_seed(0)
+    big, small = torch.nn.Linear(512, 512), torch.nn.Linear(64, 48)
+    assert 512 * 512 >= PACK_MIN_WORK > 64 * 48
+
+    def fn(x):
+        return small(big(x)[:, :64])
+
+    def kernels(step, x):
+        with torch.no_grad():
+            step(x)  # compiles (freezing runs the packing ops once)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = step(x)
+        torch.testing.assert_close(out, fn(x), rtol=1e-4, atol=1e-4)
+        return {e.key: e.count for e in prof.key_averages()}
+
+    x = torch.randn(1, 512)
+    device_op = type(mkldnn_fusion._get_mkldnn_device_op("cpu"))
+    before = (device_op.pack_linear_weight, device_op.pack_linear)
+    ours = kernels(capture.compile_step(fn), x)
+    assert ours.get("mkldnn::_linear_pointwise") == 1 and ours.get("mkl::_mkl_linear") == 1
+    assert (device_op.pack_linear_weight, device_op.pack_linear) == before  # restored after the call
+
+    torch._dynamo.reset()
+    plain = torch.compile(fn, fullgraph=True, dynamic=False)
+    with inductor_config.patch(capture.FREEZING):
+        theirs = kernels(plain, x)
+    assert "mkldnn::_linear_pointwise" not in theirs and theirs.get("mkl::_mkl_linear") == 2
