@@ -61,6 +61,10 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per method over all prompts, interleaved; the median is "
                              "reported (default 2)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run every method compiled (stree.generate(compile=True): frozen weights; the "
+                             "model's own decoding on a static cache); the first run compiles, tens of "
+                             "seconds")
     parser.add_argument("--no-prepack", action="store_true",
                         help="CPU fp32: keep PyTorch's plain linear layers instead of prepacked "
                              "weights (stree.prepack_linears), for every method")
@@ -115,7 +119,8 @@ def run(args) -> int:
     rows_of = methods(device)
     # warm every method up once so no timed run pays for lazy initialisation
     for _, method, drafter in rows_of:
-        generate(target, draft, ids[0], 8, method=method, drafter=drafter, eos_token_id=eos)
+        generate(target, draft, ids[0], 8, method=method, drafter=drafter, eos_token_id=eos,
+                 compile=args.compile)
     runs: dict[str, list] = {name: [] for name, _, _ in rows_of}
     texts = [set() for _ in ids]  # every run's text per prompt: one element iff all are identical
     for _ in range(args.repeats):
@@ -123,7 +128,7 @@ def run(args) -> int:
         for i, prompt_ids in enumerate(ids):
             for name, method, drafter in rows_of:
                 out = generate(target, draft, prompt_ids, args.max_new_tokens, method=method,
-                               drafter=drafter, eos_token_id=eos)
+                               drafter=drafter, eos_token_id=eos, compile=args.compile)
                 text = tokenizer.decode(out.sequences[0, prompt_ids.shape[1]:out.lengths[0]].tolist())
                 texts[i].add(text)
                 if i == 0 and method == "tree":
@@ -138,8 +143,8 @@ def run(args) -> int:
     print("=" * 24 + " STree continuation " + "=" * 24 + f"\n{shown}\n" + "=" * 68)
 
     print(f"\ntemperature 0, {len(ids)} prompt(s), {args.max_new_tokens} new tokens at most each, "
-          f"device {device}, {torch.get_num_threads()} torch threads; median of {args.repeats} "
-          "interleaved runs")
+          f"device {device}, {torch.get_num_threads()} torch threads, "
+          f"{'every method compiled' if args.compile else 'eager'}; median of {args.repeats} interleaved runs")
     print(f"{'method':<30}{'tokens':>8}{'tau':>8}{'tok/s':>10}{'vs AR':>8}"
           f"{'draft s':>9}{'verify s':>10}{'replay s':>10}")
     base = rows[0][1].tokens_per_s

@@ -337,6 +337,25 @@ def test_prepack_is_the_default_and_no_prepack_reaches_the_loader(tmp_path, monk
     assert seen == [not flag, not flag]  # target and draft
 
 
+@pytest.mark.parametrize("flag", [[], ["--compile"]])
+def test_demo_compile_reaches_every_generate_call(monkeypatch, capsys, flag):
+    """``--compile`` compiles every row, the baseline too (what compiling does is tested in
+    tests/test_capture.py); here the calls are recorded and run eagerly."""
+    import stree.generation
+
+    real, seen = stree.generation.generate, []
+
+    def generate(*args, compile=False, **kwargs):
+        seen.append((kwargs["method"], compile))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stree.generation, "generate", generate)
+    rc, out, err = run(capsys, "demo", "--prompts", "1", "--max-new-tokens", "4", "--repeats", "1", *flag)
+    assert rc == 0, err
+    assert sorted(set(seen)) == [(m, bool(flag)) for m in ("ar", "chain", "tree")] and len(seen) == 6
+    assert ("every method compiled" if flag else "eager") in out
+
+
 @pytest.mark.parametrize("flag", [[], ["--no-prepack"]])
 def test_demo_no_prepack_reaches_the_loader(monkeypatch, capsys, flag):
     seen = []
