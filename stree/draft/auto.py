@@ -30,7 +30,7 @@ predicted from a running acceptance profile:
   not favoured on a hard one, since the model's tau moved with the prompt too.
 
 Candidates (:func:`default_candidates`, by device): on CUDA chains ``chain:1..6``, the static
-presets, caterpillars of depth 4 to 6 and ``dyspec:8/16/32``; elsewhere chains ``chain:2/4/6``
+presets, caterpillars of depth 3 to 6 and ``dyspec:8/16/32``; elsewhere chains ``chain:2/4/6``
 and caterpillars of depth 3 to 5, whose draft runs one node per level (every candidate costs
 exploration). A switch needs a predicted gain of ``switch_margin`` (3%) to avoid flapping.
 Draft level costs follow the level mechanism: each level forwards only the nodes it runs
@@ -81,11 +81,12 @@ from stree.tree import TokenTree, level_runs
 
 DEFAULT_CANDIDATES = ("static:fig4a", "chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
                       "static:B", "static:C", "static:D", "static:E",
-                      "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "caterpillar:3,2,2,2,2",
+                      "caterpillar:2,2,2", "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "caterpillar:3,2,2,2,2",
                       "caterpillar:2,2,2,2,2,2", "dyspec:8", "dyspec:16", "dyspec:32")
 # Off a GPU every node a draft level runs costs a draft step, so only shapes that draft one node
 # per level pay (docs/benchmarks.md), and every extra candidate costs exploration: on the shipped
-# pair (CPU) auto over all 18 ran 3-7% slower than over 5 of these, side by side.
+# pair (CPU, commit e1408cf) auto over the 18 GPU candidates it had then ran 3-7% slower than over 5
+# of these, side by side.
 CPU_CANDIDATES = ("caterpillar:2,2,2", "chain:4", "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "chain:2",
                   "chain:6")
 
