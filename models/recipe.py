@@ -146,17 +146,18 @@ class RecipeConfig:
     target_from: str | None = None
 
 
-# Default step counts. On 2 quiet CPU cores the target trains at ~1,300 tokens/s (79 min for
-# 3,000 x 2,048 = 6.1M tokens, 1.9 epochs) and the draft's distillation, which runs the target
-# forward too, at ~2,700 (23 min for 3.7M tokens). The CUDA preset's batches are 8x bigger.
+# Default step counts. On the project's 2-core VMs (quiet) the target trained at ~1,300 tokens/s
+# (79 min for 3,000 x 2,048 = 6.1M tokens, 1.9 epochs; the earlier, slower VM); on the later one
+# the target wrote its 8,192 continuations in 13.5 min (~1,950 new tokens/s) and the draft's
+# distillation, which runs the target forward too, took 28 min for 6.1M tokens (~3,600 tokens/s).
+# The CUDA preset's batches are 8x bigger.
 TARGET_STEPS = 3000
 DRAFT_STEPS = 3000
 
 
 def preset(device: str) -> RecipeConfig:
-    """Default config for a device. The CPU preset: batches of 8 x 256 tokens (about 100 minutes on 2
-    quiet cores with the default steps). The CUDA preset trains the same shapes with batches of
-    32 x 512."""
+    """Default config for a device. The CPU preset: batches of 8 x 256 tokens (about 2 hours on 2 quiet
+    cores with the default steps). The CUDA preset trains the same shapes with batches of 32 x 512."""
     cfg = RecipeConfig(device=device)
     if device.startswith("cuda"):
         cfg.target_train = TrainSettings(budget_s=0.0, batch_size=32, seq_len=512, lr=2e-3, log_every=100)
@@ -327,15 +328,20 @@ def kd_loss(target, ce_weight: float, temperature: float):
 # ------------------------------------------------------------------------------------------------
 # The target's own text
 # ------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def continue_text(target, prompts: torch.Tensor, new_tokens: int, temperature: float,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """``prompts (b, p)`` followed by the target's own continuation (its batched decoding,
-    ``stree.generate(method="ar")``, no EOS stop): ``(b, p + new_tokens)`` int64. The target is
-    patched as a copy, so the trained module stays as it was."""
+def decoder(target):
+    """A patched copy of ``target`` for :func:`continue_text` (the trained module stays as it was)."""
     import stree
 
-    model = stree.patch(copy.deepcopy(target).eval())
+    return stree.patch(copy.deepcopy(target).eval())
+
+
+@torch.no_grad()
+def continue_text(model, prompts: torch.Tensor, new_tokens: int, temperature: float,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """``prompts (b, p)`` followed by the continuation of ``model`` (a :func:`decoder`) by its own
+    batched decoding (``stree.generate(method="ar")``, no EOS stop): ``(b, p + new_tokens)`` int64."""
+    import stree
+
     out = stree.generate(model, None, prompts, max_new_tokens=new_tokens, temperature=temperature,
                          method="ar", generator=generator)
     return out.sequences[:, :prompts.shape[1] + new_tokens]
@@ -350,6 +356,7 @@ def write_continuations(target, stream: torch.Tensor, s: ContinuationSettings, s
     if new < 1:
         raise ValueError(f"prompt_len {s.prompt_len} leaves no room in a row of {seq_len + 1} tokens")
     rows = torch.empty(s.sequences, seq_len + 1, dtype=torch.int32)
+    model = decoder(target)
     starts = torch.Generator().manual_seed(seed)
     sampler = torch.Generator(device).manual_seed(seed)
     t0 = time.perf_counter()
@@ -358,7 +365,7 @@ def write_continuations(target, stream: torch.Tensor, s: ContinuationSettings, s
         offsets = torch.randint(0, stream.numel() - s.prompt_len, (b,), generator=starts)
         prompts = stream[offsets[:, None] + torch.arange(s.prompt_len)].long().to(device)
         temperature = s.temperatures[i % len(s.temperatures)]
-        rows[lo:lo + b] = continue_text(target, prompts, new, temperature, sampler).cpu().to(torch.int32)
+        rows[lo:lo + b] = continue_text(model, prompts, new, temperature, sampler).cpu().to(torch.int32)
         el = time.perf_counter() - t0
         log(f"[continuations] {lo + b:5d}/{s.sequences}  T={temperature}  "
             f"{(lo + b) * new / el:6.0f} new tokens/s  {el:5.0f}s")
@@ -412,7 +419,7 @@ def continuation_agreement(target, draft, windows: torch.Tensor, prompt_len: int
     """Top-1 agreement on the target's own greedy text, which is what greedy speculation verifies: each
     held-out window's first ``prompt_len`` tokens continued greedily by the target to the window's
     length, then argmax draft == argmax target over the continuation (teacher-forced)."""
-    seqs = continue_text(target, windows[:, :prompt_len].to(device), windows.shape[1] - prompt_len, 0.0)
+    seqs = continue_text(decoder(target), windows[:, :prompt_len].to(device), windows.shape[1] - prompt_len, 0.0)
     x = seqs[:, :-1]
     at = _logits(target(x)).argmax(-1)[:, prompt_len - 1:]
     ad = _logits(draft(x)).argmax(-1)[:, prompt_len - 1:]

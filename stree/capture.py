@@ -14,7 +14,7 @@ kernel: for fp32 weights and static shapes inductor picks MKL's packed GEMM
 (``mkl._mkl_linear``), which on the project's CPU ran 1.7x slower per call than oneDNN's inner
 product on a reordered weight, the kernel stree's eager steps use, and made a compiled verify
 step 1.3x slower than the eager one. Inside stree's compiled steps inductor therefore packs for
-oneDNN wherever eager stree would (:func:`_onednn_linears`), as it does itself for dynamic batch
+oneDNN wherever eager stree would (:class:`_OnednnLinears`), as it does itself for dynamic batch
 sizes and ahead-of-time compilation. A compiled step sees the weights as they were when it was
 compiled: load or change weights before the first compiled call (steps are kept on the model).
 """
@@ -75,47 +75,66 @@ def compile_step(fn):
     options = {"guard_filter_fn": skip_module_guards} if skip_module_guards else None
     compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, backend=BACKEND, options=options)
     freezing = inductor_config.patch(FREEZING)  # reusable: it keeps a stack of prior values
+    onednn = _onednn_linears()
 
     def frozen(*args):
-        with freezing, _onednn_linears():
+        with freezing, onednn:
             return compiled(*args)
 
     return frozen
 
 
-@contextmanager
-def _onednn_linears():
-    """While inductor compiles inside the block, it packs a frozen fp32 CPU linear for oneDNN
-    (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, the eager packed path)
+class _OnednnLinears:
+    """While inductor compiles inside the block, it packs a frozen fp32 CPU linear for
+    oneDNN (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, the eager packed path)
     instead of MKL when ``rows * weight elements >= stree.layers.linear.PACK_MIN_WORK``, the rule
     eager stree packs by; smaller ones keep inductor's choice. Inductor decides this in two
     methods of its CPU device op (``torch._inductor.fx_passes.mkldnn_fusion``), which are
-    wrapped for the block only, so nothing else compiled in the process is affected; where they
-    do not exist (another torch, no oneDNN) the block changes nothing."""
-    try:
-        from torch._inductor.fx_passes import mkldnn_fusion
-        op = type(mkldnn_fusion._get_mkldnn_device_op("cpu"))
-        pack_weight, pack = op.pack_linear_weight, op.pack_linear
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-    except (ImportError, AttributeError, RuntimeError):
-        yield
-        return
-    from stree.layers.linear import PACK_MIN_WORK
+    swapped for the block only, so nothing else compiled in the process is affected; where they
+    do not exist (another torch, no oneDNN) the block changes nothing. Built once: entering and
+    leaving are two attribute swaps, on every call of a compiled step."""
 
-    def pack_linear_weight(self, graph, is_lp_weight, transpose_weight_node, batch_size):
-        weight = transpose_weight_node.args[0].meta["val"]  # the permute's input: the frozen weight
-        onednn = isinstance(batch_size, int) and batch_size * weight.numel() >= PACK_MIN_WORK
-        return pack_weight(self, graph, is_lp_weight or onednn, transpose_weight_node, batch_size)
+    def __init__(self):
+        self.op = None
+        try:
+            from torch._inductor.fx_passes import mkldnn_fusion
+            op = type(mkldnn_fusion._get_mkldnn_device_op("cpu"))
+            pack_weight, pack = op.pack_linear_weight, op.pack_linear
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+        except (ImportError, AttributeError, RuntimeError):
+            return
+        from stree.layers.linear import PACK_MIN_WORK
 
-    def pack_linear(self, graph, is_lp_weight, batch_size, input, packed_weight_node, bias):
-        onednn = packed_weight_node.target is reorder or packed_weight_node.target is reorder.default
-        return pack(self, graph, is_lp_weight or onednn, batch_size, input, packed_weight_node, bias)
+        def pack_linear_weight(self, graph, is_lp_weight, transpose_weight_node, batch_size):
+            weight = transpose_weight_node.args[0].meta["val"]  # the permute's input: the frozen weight
+            onednn = isinstance(batch_size, int) and batch_size * weight.numel() >= PACK_MIN_WORK
+            return pack_weight(self, graph, is_lp_weight or onednn, transpose_weight_node, batch_size)
 
-    op.pack_linear_weight, op.pack_linear = pack_linear_weight, pack_linear
-    try:
-        yield
-    finally:
-        op.pack_linear_weight, op.pack_linear = pack_weight, pack
+        def pack_linear(self, graph, is_lp_weight, batch_size, input, packed_weight_node, bias):
+            onednn = packed_weight_node.target in (reorder, reorder.default)
+            return pack(self, graph, is_lp_weight or onednn, batch_size, input, packed_weight_node, bias)
+
+        self.op, self.theirs, self.ours = op, (pack_weight, pack), (pack_linear_weight, pack_linear)
+
+    def __enter__(self):
+        if self.op is not None:
+            self.op.pack_linear_weight, self.op.pack_linear = self.ours
+
+    def __exit__(self, *exc):
+        if self.op is not None:
+            self.op.pack_linear_weight, self.op.pack_linear = self.theirs
+        return False
+
+
+_ONEDNN_LINEARS: _OnednnLinears | None = None
+
+
+def _onednn_linears() -> _OnednnLinears:
+    """The one :class:`_OnednnLinears` (built on first use, when inductor is first needed)."""
+    global _ONEDNN_LINEARS
+    if _ONEDNN_LINEARS is None:
+        _ONEDNN_LINEARS = _OnednnLinears()
+    return _ONEDNN_LINEARS
 
 
 def _own_code(fn):
