@@ -20,6 +20,7 @@ compiled: load or change weights before the first compiled call (steps are kept 
 """
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 from contextlib import contextmanager
@@ -102,6 +103,13 @@ class _OnednnLinears:
             pack_weight, pack = op.pack_linear_weight, op.pack_linear
             reorder = torch.ops.mkldnn._reorder_linear_weight
         except (ImportError, AttributeError, RuntimeError):
+            return
+        # the wrappers below pass inductor's arguments through by position: another torch whose
+        # methods take others keeps its own choice
+        if (list(inspect.signature(pack_weight).parameters) != ["self", "graph", "is_lp_weight",
+                                                                 "transpose_weight_node", "batch_size"]
+                or list(inspect.signature(pack).parameters) != ["self", "graph", "is_lp_weight", "batch_size",
+                                                                 "input", "packed_weight_node", "bias"]):
             return
         from stree.layers.linear import PACK_MIN_WORK
 
