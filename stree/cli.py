@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "ar-tree", "unrolled"],
                    help="ar: the model's own autoregressive decoding; ar-tree: stree's 1-node tree path")
     g.add_argument("--tree", default=None,
-                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | caterpillar:C1,C2,... | dyspec:N[:D] | "
+                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | caterpillar:C1,C2,... | dyspec:N[:D[:VT]] | "
                         "dyspec-paper:N | dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
                         "(default: caterpillar:2,2,2 on a CPU, fig4a on a GPU; chain:4 for "
                         "--method chain)")
