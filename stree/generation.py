@@ -113,7 +113,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     Raises:
         TypeError: non-integer ``input_ids``, ``eos_token_id`` or ``pad_token_id``.
         ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
-            mismatch, an empty prompt, token ids outside the vocabulary, a sequence that would
+            or device mismatch between target and draft (their dtypes may differ), an empty prompt, token ids outside the vocabulary, a sequence that would
             not fit an explicit ``max_seqlen``, or a prompt that leaves no room within a model's
             context limit.
     """
@@ -124,7 +124,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     device = _device(target)
     drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device)
     if drafter.uses_draft_model:
-        _check_vocab(target, draft)
+        _check_draft(target, draft, device)
     # every check of the request before anything runs or is allocated
     vocab = vocab_size(target)
     prompts = _as_prompts(input_ids, device, vocab)
@@ -427,13 +427,19 @@ def vocab_size(model) -> int | None:
     return None if v is None else int(v)
 
 
-def _check_vocab(target, draft) -> None:
+def _check_draft(target, draft, device: torch.device) -> None:
+    """The draft must exist, share the target's vocabulary and sit on its device. Its dtype may
+    differ (a bf16 draft for an fp32 target): drafts are token ids, and the distributions they were
+    drawn from reach the verifiers in fp32, so only acceptance depends on the draft's dtype."""
     if draft is None:
         raise ValueError("this method needs a draft model (only methods 'ar' and 'ar-tree' run without one)")
     vt, vd = vocab_size(target), vocab_size(draft)
     if vt is not None and vd is not None and vt != vd:
         raise ValueError(f"vocabulary mismatch: target logits have {vt} entries, draft {vd}; "
                          "speculative decoding needs the same tokenizer and vocabulary size")
+    if _device(draft) != device:
+        raise ValueError(f"device mismatch: the target is on {device}, the draft on {_device(draft)}; "
+                         "move both to one device")
 
 
 def _device(model) -> torch.device:

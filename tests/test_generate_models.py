@@ -80,6 +80,37 @@ def test_hybrid_greedy_equals_its_own_generate():
         assert new_tokens(out) == refs, f"{method} {drafter}"
 
 
+def test_a_draft_in_another_dtype_leaves_the_output_the_targets():
+    """A bf16 draft for an fp32 target is allowed: it drafts token ids, and the distributions it
+    drew them from reach the verifiers in fp32, so only acceptance depends on its dtype."""
+    target = make_hybrid((1, 3), seed=8)
+    draft = noisy_copy(target, 0.2, seed=2).to(torch.bfloat16)
+    refs = [target.generate(p[None], max_new_tokens=48)[0, len(p):].tolist() for p in PROMPTS]
+    stree.patch(target), stree.patch(draft)
+    for method, drafter in [("tree", "caterpillar:2,2,2"), ("chain", "chain:4"), ("tree", "dyspec:10")]:
+        out = stree.generate(target, draft, PROMPTS, 48, method=method, drafter=drafter)
+        assert new_tokens(out) == refs, f"{method} {drafter}"
+        assert out.stats.tau > 1.2, f"{drafter}: tau {out.stats.tau}, the bf16 draft is never accepted?"
+    seen = []
+
+    class Recording(stree.verify.MSSVerifier):
+        def verify(self, draft, logits, sampling, generator=None):
+            seen.append((draft.q.dtype, logits.dtype))
+            return super().verify(draft, logits, sampling, generator)
+
+    out = stree.generate(target, draft, PROMPTS[:1], 24, drafter="caterpillar:2,2,2", verifier=Recording(),
+                         temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert out.lengths == [len(PROMPTS[0]) + 24]
+    assert seen and set(seen) == {(torch.float32, torch.float32)}
+
+
+def test_a_draft_on_another_device_is_refused_before_anything_runs(mamba_pair):
+    target, draft = mamba_pair
+    elsewhere = copy.deepcopy(draft).to("meta")  # a second device on a CPU-only machine
+    with pytest.raises(ValueError, match="device mismatch: the target is on cpu, the draft on meta"):
+        stree.generate(target, elsewhere, PROMPTS, 8)
+
+
 def test_sampling_runs_with_mss_and_reports_stats(mamba_pair):
     target, draft = mamba_pair
     out = stree.generate(target, draft, PROMPTS[:1], 40, temperature=1.0, top_p=0.95,
