@@ -113,9 +113,9 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     Raises:
         TypeError: non-integer ``input_ids``, ``eos_token_id`` or ``pad_token_id``.
         ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
-            or device mismatch between target and draft (their dtypes may differ), an empty prompt, token ids outside the vocabulary, a sequence that would
-            not fit an explicit ``max_seqlen``, or a prompt that leaves no room within a model's
-            context limit.
+            or device mismatch between target and draft (their dtypes may differ), an empty
+            prompt, token ids outside the vocabulary, a sequence that would not fit an explicit
+            ``max_seqlen``, or a prompt that leaves no room within a model's context limit.
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -437,8 +437,9 @@ def _check_draft(target, draft, device: torch.device) -> None:
     if vt is not None and vd is not None and vt != vd:
         raise ValueError(f"vocabulary mismatch: target logits have {vt} entries, draft {vd}; "
                          "speculative decoding needs the same tokenizer and vocabulary size")
-    if _device(draft) != device:
-        raise ValueError(f"device mismatch: the target is on {device}, the draft on {_device(draft)}; "
+    where = _device(draft)
+    if where != device:
+        raise ValueError(f"device mismatch: the target is on {device}, the draft on {where}; "
                          "move both to one device")
 
 
