@@ -20,6 +20,7 @@ compiled: load or change weights before the first compiled call (steps are kept 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import warnings
@@ -134,15 +135,10 @@ class _OnednnLinears:
         return False
 
 
-_ONEDNN_LINEARS: _OnednnLinears | None = None
-
-
+@functools.cache
 def _onednn_linears() -> _OnednnLinears:
     """The one :class:`_OnednnLinears` (built on first use, when inductor is first needed)."""
-    global _ONEDNN_LINEARS
-    if _ONEDNN_LINEARS is None:
-        _ONEDNN_LINEARS = _OnednnLinears()
-    return _ONEDNN_LINEARS
+    return _OnednnLinears()
 
 
 def _own_code(fn):
