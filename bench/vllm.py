@@ -30,6 +30,9 @@ METHODS = {
     "stree-chain-asps": {"method": "stree", "model": "{draft}", "tree": "chain:4", "verifier": "asps"},
     "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2"},  # the CPU default
     "stree-tree4": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2,2"},
+    # vLLM's batch-size schedule: the CPU default tree while a request runs alone, no drafting beside others
+    "stree-tree-solo": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2",
+                        "num_speculative_tokens_per_batch_size": [[1, 1, 6], [2, 4, 0]]},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
 }
 MARK = "BENCH-RESULT "

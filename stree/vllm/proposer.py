@@ -141,6 +141,7 @@ class StreeProposer:
         self.batches: list[_Batch] = []  # the last step's draft calls, committed by the next step
         self.req_ids: list[str] = []
         self.params: list = []  # this step's SamplingParams, in batch order
+        self.budget = self.k  # draft tokens per request vLLM takes this step (see bind)
         self.last_probs: torch.Tensor | None = None  # (num_reqs, K, vocab) of the last propose
 
     # -- lifecycle (from vLLM and patch_runner) ---------------------------------------------------
@@ -159,13 +160,16 @@ class StreeProposer:
                     self.model.prefill(torch.zeros(size, 2, dtype=torch.long), cache)
                     drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY)
 
-    def bind(self, req_ids, params=None) -> None:
-        """This step's batch order (vLLM's ``input_batch.req_ids``) and each request's
-        ``SamplingParams`` (None: greedy); rows of requests no longer in the batch are released
-        (the batch holds at most ``max_num_seqs`` requests, so a free slot exists for every new
-        one)."""
+    def bind(self, req_ids, params=None, budget: int | None = None) -> None:
+        """This step's batch order (vLLM's ``input_batch.req_ids``), each request's
+        ``SamplingParams`` (None: greedy) and how many draft tokens vLLM's scheduler takes per
+        request (its ``num_spec_tokens_to_schedule``, which a ``num_speculative_tokens_per_batch_size``
+        schedule sets by batch size; None: all ``K``). Rows of requests no longer in the batch are
+        released (the batch holds at most ``max_num_seqs`` requests, so a free slot exists for
+        every new one)."""
         self.req_ids = list(req_ids)
         self.params = list(params) if params is not None else [None] * len(self.req_ids)
+        self.budget = self.k if budget is None else min(budget, self.k)
         current = set(self.req_ids)
         for rid in [r for r in self.rows if r not in current]:
             self.free.append(self.rows.pop(rid).slot)
@@ -183,10 +187,19 @@ class StreeProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs) -> list[list[int]]:
         """``sampled_token_ids[i]``: tokens request ``i`` gained this step (empty while its prompt
         is still being prefilled); ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` its whole
-        sequence. Returns ``K`` draft tokens per request ([] where nothing is drafted)."""
+        sequence. Returns the first ``budget`` (see :meth:`bind`) of each request's ``K`` draft
+        tokens ([] where nothing is drafted).
+
+        With a budget of 0 (vLLM's batch-size schedule turned speculation off for this batch) the
+        draft does no work at all: the last step's trees are dropped uncommitted and each
+        request's slot falls behind, to be caught up by one prefill when speculation resumes."""
+        out, probs = [[] for _ in sampled_token_ids], {}
+        if self.budget == 0:
+            self.batches, self.last_probs = [], None
+            self.drafted.clear()
+            return out
         histories = {i: token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
                      for i, new in enumerate(sampled_token_ids) if len(new) and i < len(self.req_ids)}
-        out, probs = [[] for _ in sampled_token_ids], {}
         with capture.compiled(self.model) if self.compiled else nullcontext():
             self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()})
             groups: dict[object, list[int]] = {}
@@ -197,7 +210,7 @@ class StreeProposer:
                 groups.setdefault(key, []).append(i)
             for members in groups.values():
                 for i, (tokens, q) in zip(members, self._draft(members, [histories[i][-1] for i in members])):
-                    out[i] = tokens
+                    out[i] = tokens[:self.budget]  # the tree's first nodes: a subtree
                     if q is not None:
                         probs[i] = q
         self.last_probs = None
@@ -311,7 +324,8 @@ def patch_runner() -> None:
         if not isinstance(drafter, StreeProposer):
             return original(self, scheduler_output, *args, **kwargs)
         req_ids = list(self.input_batch.req_ids)
-        drafter.bind(req_ids, [getattr(self.requests.get(r), "sampling_params", None) for r in req_ids])
+        drafter.bind(req_ids, [getattr(self.requests.get(r), "sampling_params", None) for r in req_ids],
+                     scheduler_output.num_spec_tokens_to_schedule)
         out = original(self, scheduler_output, *args, **kwargs)
         probs = drafter.take_probs()
         if probs is not None:

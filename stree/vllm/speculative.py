@@ -13,7 +13,11 @@ What runs: ``"tree": "chain:K"`` drafts chains that vLLM's own rejection sampler
 (:mod:`stree.vllm.proposer`); any other drafter spec stree parses (static, caterpillar, beam,
 DySpec, DynaTree) drafts trees that stree verifies inside the engine (:mod:`stree.vllm.trees`).
 ``num_speculative_tokens`` is the drafter's largest tree less its root. ``"auto"`` is refused: it
-picks its tree from timings of stree's own decoding loop. Exactness of the Mamba layers under
+picks its tree from timings of stree's own decoding loop. vLLM's own
+``num_speculative_tokens_per_batch_size`` schedule (``[[first, last, K], ...]`` over the number of
+requests a step runs) passes through: where it gives 0 the proposer drafts nothing (no draft work
+at all, see :meth:`stree.vllm.proposer.StreeProposer.propose`), where it gives fewer than the
+tree's tokens vLLM verifies the first ones in topological order (a subtree). Exactness of the Mamba layers under
 speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and :mod:`stree.vllm.accepted_counts`.
 """
 from __future__ import annotations
@@ -26,8 +30,10 @@ ENV = "STREE_VLLM_DRAFT"
 # opt-in to stree's tree verification on a GPU (FlashAttention), written but never run
 GPU_TREES = "STREE_VLLM_GPU_TREES"
 PROPOSER = "stree.vllm.proposer.StreeProposer"
+# vLLM's own dynamic speculation by batch size, passed through (see ``translate``)
+SCHEDULE = "num_speculative_tokens_per_batch_size"
 # keys of stree's dict; every other key is refused (no silent typos)
-KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens"}
+KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE}
 
 
 @dataclass(frozen=True)
@@ -139,8 +145,17 @@ def translate(config: dict, target_vocab_size: int, enforce_eager: bool = False)
         raise ValueError(f"speculative_config: the draft's vocabulary ({draft_vocab} tokens, {spec.model}) "
                          f"differs from the target's ({target_vocab_size}): draft and target must share "
                          "one tokenizer")
+    out = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+    if config.get(SCHEDULE) is not None:
+        # vLLM checks a schedule only when its scheduler starts (inside the engine process)
+        from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+        try:
+            out[SCHEDULE] = validate_and_normalize_dynamic_sd_schedule(config[SCHEDULE])
+        except ValueError as err:
+            raise ValueError(f"speculative_config['{SCHEDULE}']: {err}") from None
     spec.to_env()
-    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+    return out
 
 
 def patch_engine_args() -> None:

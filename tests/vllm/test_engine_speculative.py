@@ -72,6 +72,21 @@ def test_continuous_batching_reuses_draft_slots(tree):
     assert engine.result(proc)["tokens"] == own_greedy_of(prompts, lengths)
 
 
+def test_batch_size_schedule_speculates_only_when_the_engine_is_not_busy():
+    """vLLM's ``num_speculative_tokens_per_batch_size`` passes through stree's dict: with three or
+    four requests running the proposer drafts nothing, with two vLLM verifies the first three
+    nodes of each tree (a subtree), alone the whole tree; the output stays the target's own."""
+    lengths = [64, 8, 16, 24]  # the first request runs alone for its last 40 tokens
+    spec = {"method": "stree", "model": SHIPPED_DRAFT, "tree": "caterpillar:2,2,2,2",
+            "num_speculative_tokens_per_batch_size": [[1, 1, 8], [2, 2, 3], [3, 4, 0]]}
+    out = engine.result(engine.run({"engine": {"model": TARGET, "speculative_config": spec}, "prompts": PROMPTS,
+                                    "sampling": GREEDY, "max_tokens": lengths}))
+    assert out["tokens"] == own_greedy_of(PROMPTS, lengths)
+    spec = out["spec"]
+    # some steps verified 3-node subtrees, others whole 8-node trees: the schedule reached the proposer
+    assert 3 < spec["vllm:spec_decode_num_draft_tokens"] / spec["vllm:spec_decode_num_drafts"] < 8
+
+
 def own_greedy_of(prompts, lengths) -> list[list[int]]:
     """The shipped target's own greedy continuation of each prompt (stree, plain PyTorch)."""
     import torch

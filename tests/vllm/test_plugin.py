@@ -131,6 +131,7 @@ def _with_spec(spec: dict) -> str:
     ({"method": "stree", "model": DRAFT, "trees": "chain:4"}, "unknown keys"),
     ({"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2", "verifier": "asps"}, "needs a sampled chain"),
     ({"method": "stree", "model": DRAFT, "verifier": "bogus"}, "unknown verifier 'bogus'"),
+    ({"method": "stree", "model": DRAFT, "num_speculative_tokens_per_batch_size": [[2, 4, 0]]}, "must start at 1"),
     ({"method": "stree"}, "needs 'model'"),
     ({"method": "stree", "model": "/nonexistent/draft"}, "not found"),
 ])

@@ -113,3 +113,31 @@ def test_a_seeded_request_drafts_the_same_whatever_its_batch(monkeypatch):
 
 def test_batch_sizes():
     assert batch_sizes(1) == [1] and batch_sizes(4) == [1, 2, 4] and batch_sizes(6) == [1, 2, 4, 6]
+
+
+@pytest.mark.parametrize("tree", ["caterpillar:2,2,2", "chain:4"])
+def test_batch_size_schedule_budget(monkeypatch, tree):
+    """vLLM's ``num_speculative_tokens_per_batch_size`` reaches the proposer as a per-step budget:
+    0 drafts nothing (no draft work, the last trees dropped), fewer than K returns the first
+    tokens of the full draft, and after steps without drafting a request's drafts equal those of
+    a fresh proposer given the same history (its slot was caught up, not left stale)."""
+    monkeypatch.setenv(ENV, "")
+    DraftSpec(DRAFT, tree).to_env()
+    k = draft_size(tree)
+    proposer = StreeProposer(_config(tree, True, 2))
+    histories = {"a": [0, 5, 17, 33], "bb": [0, 9, 9, 40, 41]}
+    for step, budget in enumerate([k, 0, 0, 2, k, 0, k]):
+        rids = list(histories)
+        proposer.bind(rids, None, budget)
+        width = max(len(h) for h in histories.values())
+        ids = torch.tensor([h + [0] * (width - len(h)) for h in histories.values()])
+        drafts = proposer.propose([[h[-1]] for h in histories.values()], [len(h) for h in histories.values()], ids)
+        if budget == 0:
+            assert drafts == [[], []] and not proposer.batches and not proposer.drafted
+        for rid, tokens in zip(rids, drafts):
+            fresh = StreeProposer(_config(tree, True, 1))
+            fresh.bind([rid])
+            h = histories[rid]
+            full = fresh.propose([[h[-1]]], [len(h)], torch.tensor([h]))[0]
+            assert len(full) == k and tokens == full[:budget]
+            histories[rid] = h + tokens[:step % 2] + [(7 * step + len(rid)) % 50 + 3]
