@@ -126,8 +126,8 @@ def spec_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A:
 
 
 def _one_token_each(starts: torch.Tensor) -> bool:
-    """Whether every request of a speculative call has one token (no drafts this step: all
-    requests of a batch the speculation schedule turned off, or the first step of each)."""
+    """Whether every request of a speculative call has one token (no drafts this step, as in a
+    batch for which the batch-size schedule turned speculation off)."""
     return bool(((starts[1:] - starts[:-1]) == 1).all())
 
 

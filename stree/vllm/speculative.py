@@ -17,8 +17,9 @@ picks its tree from timings of stree's own decoding loop. vLLM's own
 ``num_speculative_tokens_per_batch_size`` schedule (``[[first, last, K], ...]`` over the number of
 requests a step runs) passes through: where it gives 0 the proposer drafts nothing (no draft work
 at all, see :meth:`stree.vllm.proposer.StreeProposer.propose`), where it gives fewer than the
-tree's tokens vLLM verifies the first ones in topological order (a subtree). Exactness of the Mamba layers under
-speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and :mod:`stree.vllm.accepted_counts`.
+tree's tokens vLLM verifies the first ones in topological order (a subtree). Exactness of the
+Mamba layers under speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and
+:mod:`stree.vllm.accepted_counts`.
 """
 from __future__ import annotations
 
