@@ -130,9 +130,9 @@ def test_one_token_calls_take_vllms_own_ops_from_the_accepted_state(monkeypatch)
                                       num_accepted_tokens=c["accepted"].int(), query_start_loc=starts,
                                       null_block_id=NULL)
     torch.testing.assert_close(out, want_out)
-    for i, slot in enumerate(c["conv_slots"][:, 0].tolist()):  # the window the next step reads: columns 0..
-        if slot != NULL:
-            torch.testing.assert_close(got[slot, :, :WIDTH - 1], want_state[slot, :, :WIDTH - 1])
+    slots = c["conv_slots"][:, 0]
+    # the window the next step reads, columns 0 .. WIDTH - 2 (vLLM's op leaves the columns after it)
+    torch.testing.assert_close(got[slots, :, :WIDTH - 1], want_state[slots, :, :WIDTH - 1])
 
     state = torch.randn(1 + len(lengths) * (1 + K), H, P, N, generator=g)
     xs, dt = torch.randn(T, H, P, generator=g), torch.randn(T, H, 1, generator=g).expand(T, H, P)  # dt per head
@@ -144,8 +144,6 @@ def test_one_token_calls_take_vllms_own_ops_from_the_accepted_state(monkeypatch)
     mixer2.selective_state_update(got, xs, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=True,
                                   state_batch_indices=c["ssm_slots"].int(), dst_state_batch_indices=c["ssm_slots"].int(),
                                   null_block_id=NULL, out=out, num_accepted_tokens=c["accepted"].int(), cu_seqlens=starts)
-    valid = [i for i, n in enumerate(lengths) if n]
-    torch.testing.assert_close(out[[c["starts"][i] for i in valid]], want_out[[c["starts"][i] for i in valid]])
-    for i in valid:
-        first = int(c["ssm_slots"][i, 0])
-        torch.testing.assert_close(got[first], want_state[first])
+    torch.testing.assert_close(out, want_out)
+    first = c["ssm_slots"][:, 0]  # each request's state after its one token
+    torch.testing.assert_close(got[first], want_state[first])
