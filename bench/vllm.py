@@ -5,14 +5,15 @@
 Per prompt set, temperature and batch size (1: one request at a time; 4: four concurrent requests),
 each method (``METHODS``; ``stree-tree-solo`` is the CPU default tree under vLLM's batch-size
 schedule, drafting only while a request runs alone) runs in its own engine (a child process, as
-vLLM needs; start-up is not timed), after one warm-up request: tokens/s (new tokens over wall time of the timed requests), tau (tokens per
-target call: 1 + accepted / drafts, from vLLM's counters) and mean per-request latency. Engines
-run in vLLM's default mode, which compiles the model (``enforce_eager=False``; stree's proposer
-then compiles the draft's levels too), 1.3-1.7x faster on this CPU than ``--enforce-eager``, which
-reproduces eager runs. Sampled requests carry no seed of their own (the engine is seeded), as a
-serving client's would not. At T = 0 each method's tokens are compared with vLLM's own decoding
-("exact"). Methods run one after another in the same process tree, so compare them within one run;
-run it on a quiet machine. Results go to ``bench/results/vllm_<device>_<date>.{csv,json}``.
+vLLM needs; start-up is not timed), after one warm-up request: tokens/s (new tokens over wall time
+of the timed requests), tau (tokens per target call: 1 + accepted / drafts, from vLLM's counters)
+and mean per-request latency. Engines run in vLLM's default mode, which compiles the model
+(``enforce_eager=False``; stree's proposer then compiles the draft's levels too), 1.3-1.7x faster
+on this CPU than ``--enforce-eager``, which reproduces eager runs. Sampled requests carry no seed
+of their own (the engine is seeded), as a serving client's would not. At T = 0 each method's tokens
+are compared with vLLM's own decoding ("exact"). Methods run one after another in the same process
+tree, so compare them within one run; run it on a quiet machine. Results go to
+``bench/results/vllm_<device>_<date>.{csv,json}``.
 """
 from __future__ import annotations
 
