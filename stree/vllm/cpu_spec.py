@@ -55,6 +55,22 @@ def _by_length(starts: list[int], valid: list[bool]) -> dict[int, list[int]]:
     return groups
 
 
+def conv_windows(conv_state: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> torch.Tensor:
+    """``(g, dim, width - 1)`` the conv window each request's next token reads under speculation:
+    the ``width - 1`` columns of its slot's conv state from column ``num_accepted - 1``
+    (``slots``, ``accepted``: ``(g,)``). Shared with :mod:`stree.vllm.trees`."""
+    slots = slots.to(conv_state.device).long()
+    cols = (accepted.to(conv_state.device).long() - 1)[:, None] + torch.arange(width - 1, device=conv_state.device)
+    return conv_state[slots].gather(2, cols[:, None, :].expand(-1, conv_state.shape[1], -1))
+
+
+def start_slots(table: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """``(g,)`` the SSM state slot each request starts from under speculation:
+    ``table[i, num_accepted - 1]`` of its ``(g, 1 + K)`` slot table. Shared with
+    :mod:`stree.vllm.trees`."""
+    return table.long().gather(1, (accepted.to(table.device).long() - 1).clamp(min=0)[:, None])[:, 0]
+
+
 def spec_conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      activation: str | None, conv_state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
                      query_start_loc: torch.Tensor, null_block_id: int) -> torch.Tensor:
@@ -75,9 +91,7 @@ def spec_conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     for length, rows in _by_length(starts, valid).items():
         r = torch.tensor(rows)
         slot = slots[r]
-        # each row's window starts at column num_accepted - 1 of its conv state
-        cols = (num_accepted_tokens[r].long() - 1)[:, None] + torch.arange(width - 1)
-        window = conv_state[slot].gather(2, cols[:, None, :].expand(-1, conv_state.shape[1], -1))
+        window = conv_windows(conv_state, slot, num_accepted_tokens[r], width)
         tokens = query_start_loc[r].long()[:, None] + torch.arange(length)  # (g, L)
         full = torch.cat([window, x[tokens].transpose(1, 2).to(conv_state.dtype)], dim=2)  # (g, dim, width - 1 + L)
         # the depthwise conv as windows times weights: PyTorch's grouped conv1d costs 5x more here
@@ -108,8 +122,7 @@ def spec_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A:
     for length, rows in _by_length(starts, (table[:, 0] != null_block_id).tolist()).items():
         r = torch.tensor(rows)
         slots = table[r]  # (g, 1 + K)
-        first = (num_accepted_tokens[r].long() - 1).clamp(min=0)
-        s = state[slots.gather(1, first[:, None])[:, 0]].float()  # (g, h, p, n)
+        s = state[start_slots(slots, num_accepted_tokens[r])].float()  # (g, h, p, n)
         bos = cu_seqlens[r].long()
         for t in range(length):
             k = bos + t
@@ -136,9 +149,8 @@ def _windows_to_column_zero(conv_state: torch.Tensor, slots: torch.Tensor, num_a
     """Move each request's conv window (``width - 1`` columns from ``num_accepted - 1``) to column 0."""
     move = ((num_accepted_tokens[:len(slots)] > 1) & (slots != null_block_id)).nonzero()[:, 0]
     if len(move):
-        cols = (num_accepted_tokens[move].long() - 1)[:, None] + torch.arange(width - 1)
         slot = slots[move].long()
-        conv_state[slot, :, :width - 1] = conv_state[slot].gather(2, cols[:, None, :].expand(-1, conv_state.shape[1], -1))
+        conv_state[slot, :, :width - 1] = conv_windows(conv_state, slot, num_accepted_tokens[move], width)
 
 
 def _states_to_column_zero(state: torch.Tensor, table: torch.Tensor, num_accepted_tokens: torch.Tensor,
@@ -147,7 +159,7 @@ def _states_to_column_zero(state: torch.Tensor, table: torch.Tensor, num_accepte
     move = ((num_accepted_tokens[:len(table)] > 1) & (table[:, 0] != null_block_id)).nonzero()[:, 0]
     if len(move):
         rows = table[move].long()
-        state[rows[:, 0]] = state[rows.gather(1, num_accepted_tokens[move].long()[:, None] - 1)[:, 0]]
+        state[rows[:, 0]] = state[start_slots(rows, num_accepted_tokens[move])]
 
 
 def patch_cpu_spec_ops() -> None:

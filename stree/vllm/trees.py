@@ -47,6 +47,7 @@ from stree.kernels.tree_conv import tree_conv
 from stree.kernels.tree_scan import tree_scan
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
+from stree.vllm.cpu_spec import conv_windows, start_slots
 
 
 @dataclass
@@ -411,13 +412,11 @@ def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices
     out = torch.empty_like(x)
     width = weight.shape[1]
     decode = _decode_rows(step, query_start_loc)
-    state_slots, accepted = conv_state_indices[:, 0].tolist(), num_accepted_tokens.tolist()
+    state_slots = conv_state_indices[:, 0].tolist()
     for g in step.groups():
         rows = [decode[tr.start] for tr in g.rows]
         slots = [state_slots[i] for i in rows]
-        # vLLM keeps the window at offset num_accepted - 1 of the request's conv state
-        window = torch.stack([conv_state[slot, :, accepted[i] - 1:accepted[i] - 1 + width - 1]
-                              for slot, i in zip(slots, rows)])
+        window = conv_windows(conv_state, torch.tensor(slots), num_accepted_tokens[rows], width)
         committed = F.pad(window, (1, 0))  # mamba layout: width columns, the first unused
         tables = g.tree(x.device).conv_scan_tables(width, x.shape[1])  # cached on the template
         xbc = x[g.index]
@@ -436,12 +435,12 @@ def tree_state_update(ssm_state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_
     D, dt_bias (h, p)). Writes ``out`` rows, not the state; returns the decode rows handled."""
     a_h = A[:, 0, 0].float()
     decode = _decode_rows(step, cu_seqlens)
-    all_slots, accepted = state_batch_indices.tolist(), num_accepted_tokens.tolist()
+    all_slots = state_batch_indices.tolist()
     for g in step.groups():
         rows = [decode[tr.start] for tr in g.rows]
         slots = [all_slots[i] for i in rows]
         # the state after the request's last accepted token, in slot num_accepted - 1
-        h0 = ssm_state[[s[accepted[i] - 1] for s, i in zip(slots, rows)]].float()
+        h0 = ssm_state[start_slots(torch.tensor(slots), num_accepted_tokens[rows])].float()
         xs, bs = x[g.index], B[g.index]
         tree = g.tree(x.device)
         y, dt_out = tree_scan(xs, dt[:, :, 0][g.index], a_h, bs, C[g.index], tree.mask, D=D,
