@@ -40,7 +40,8 @@ What auto learns (profiles, measured taus and step times, its current choice) is
 :class:`AutoMemory`, kept per target/draft pair, candidate set and sampling setting for the
 life of the two models: a later ``generate`` call with the same pair starts where the last
 one stopped, so learning and exploration are paid once per pair and setting, not once per
-prompt (``AutoDrafter(remember=False)`` or :func:`forget` for a cold start).
+prompt (:func:`forget`, or ``AutoDrafter(default_candidates(device), remember=False)``, for a cold
+start).
 
 The cost model times ``tree_forward`` alone; a step in the decoding loop also pays the commits,
 the verifier, the loop and CPU caches the other model evicted. So the drafter also times whole
@@ -285,7 +286,8 @@ def level_widths(parents) -> list[int]:
 
 @dataclass(eq=False)
 class AutoDrafter(Drafter):
-    """Picks among ``candidates`` (drafter specs) by predicted tokens per second.
+    """Picks among ``candidates`` (drafter specs) by predicted tokens per second. The default is
+    the CUDA set; ``drafter="auto"`` passes :func:`default_candidates` of the target's device.
 
     ``target_cost`` / ``draft_cost`` are measured by :meth:`prepare` unless given (tests inject
     them, and ``clock``); ``memory`` is what it has learnt, replaced in :meth:`prepare` by the
