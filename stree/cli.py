@@ -24,9 +24,11 @@ import dataclasses
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 
 import torch
 
+from stree.inputs import available_device
 from stree.jsonfile import read_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -143,11 +145,18 @@ def run_generate(args) -> int:
         raise ValueError(f"--method {args.method} drafts and verifies nothing: drop --tree/--verifier")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    # Validate the cheap things before loading models: sampling values, tree spec, verifier pair.
-    device = torch.device(args.device)
+    if args.seed is not None and not -2**63 <= args.seed < 2**64:
+        raise ValueError(f"--seed must fit in 64 bits, got {args.seed}")
+    # Validate the cheap things before loading models: device, sampling values, tree spec,
+    # verifier pair, model directories.
+    device = available_device(args.device)
     drafter = None if no_draft else args.tree  # None: generate's default for the method and device
     resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p),
             args.compile, device)
+    for role, directory in (("target", args.target), ("draft", None if no_draft else args.draft)):
+        if directory is not None:
+            with reported_as(role, directory):
+                check_model_dir(directory)
     text = read_prompt(args)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
@@ -178,8 +187,14 @@ def read_prompt(args) -> str:
     if args.prompt is not None:
         text, where = args.prompt, "--prompt"
     else:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text, where = f.read(), f"--prompt-file {args.prompt_file}"
+        where = f"--prompt-file {args.prompt_file}"
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as err:
+            raise ValueError(f"{where}: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not text:
         raise ValueError(f"the prompt is empty ({where}): generation needs at least one prompt token")
     return text
@@ -199,8 +214,15 @@ def encode_prompt(tokenizer, text: str, bos_token_id: int | None) -> list[int]:
 # ------------------------------------------------------------------------------------ loading
 def load_role(role: str, directory: str, device, dtype, model_type: str = "auto", prepack: bool = True):
     """:func:`load_model`, with any failure reported as ``"<role> model <dir>: <why>"``."""
-    try:
+    with reported_as(role, directory):
         return load_model(directory, device, dtype, model_type, prepack)
+
+
+@contextmanager
+def reported_as(role: str, directory: str):
+    """Any failure inside the block as a :class:`ModelLoadError` ``"<role> model <dir>: <why>"``."""
+    try:
+        yield
     except Exception as err:
         raise ModelLoadError(f"{role} model {directory}: {describe_error(err)}") from err
 
@@ -213,7 +235,7 @@ def load_model(directory: str, device, dtype, model_type: str = "auto", prepack:
     """A patched model from a local checkpoint directory (see the module docstring); on the CPU in
     fp32 its linear layers get prepacked weights (``stree.prepack_linears``) unless ``prepack`` is
     False: the model's own decoding and stree's run the same kernels."""
-    model = _load_patched(directory, device, dtype, model_type)
+    model = _load_patched(directory, available_device(device), dtype, model_type)
     if prepack:
         from stree.layers.linear import prepack_linears
 
@@ -221,23 +243,28 @@ def load_model(directory: str, device, dtype, model_type: str = "auto", prepack:
     return model
 
 
-def _load_patched(directory: str, device, dtype, model_type: str):
-    import stree
-
+def check_model_dir(directory: str) -> None:
+    """FileNotFoundError unless ``directory`` exists and holds a ``config.json`` (naming the model
+    directories inside it, if it holds some: the pair's folder instead of one of its models)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"model directory not found: {directory}")
-    from stree import hf
-
-    if model_type == "transformers" or (model_type == "auto" and hf.is_checkpoint(directory)):
-        return stree.patch(hf.load(directory, dtype=dtype, device=device))
-    hybrid = os.path.exists(os.path.join(directory, "mamba_config.json"))
-    if model_type == "hybrid" and not hybrid:
-        raise ValueError(f"{directory} has no mamba_config.json: not a MambaInLlama hybrid checkpoint")
     if not os.path.exists(os.path.join(directory, "config.json")):
         subdirs = sorted(d for d in os.listdir(directory)
                          if os.path.exists(os.path.join(directory, d, "config.json")))
         hint = f" (it holds model directories {', '.join(subdirs)}: pass one of them)" if subdirs else ""
         raise FileNotFoundError(f"no config.json in {directory}: not a model checkpoint directory{hint}")
+
+
+def _load_patched(directory: str, device, dtype, model_type: str):
+    import stree
+    from stree import hf
+
+    check_model_dir(directory)
+    if model_type == "transformers" or (model_type == "auto" and hf.is_checkpoint(directory)):
+        return stree.patch(hf.load(directory, dtype=dtype, device=device))
+    hybrid = os.path.exists(os.path.join(directory, "mamba_config.json"))
+    if model_type == "hybrid" and not hybrid:
+        raise ValueError(f"{directory} has no mamba_config.json: not a MambaInLlama hybrid checkpoint")
     if model_type == "hybrid" or (model_type == "auto" and hybrid):
         from stree.hybrid import MambaInLlamaForCausalLM
 
@@ -255,6 +282,13 @@ def _load_mamba_lm(directory: str, device, dtype):
     from stree.hybrid.checkpoint import check_state_dict, read_weights
 
     raw = model_config(directory)
+    missing = [k for k in ("d_model", "n_layer") if k not in raw]
+    if missing:  # MambaConfig's defaults would build (and allocate) a 2.8B-parameter model
+        llama = raw.get("model_type") == "llama" or "LlamaForCausalLM" in (raw.get("architectures") or [])
+        why = (" (a Llama-style config.json: a MambaInLlama hybrid keeps its Mamba layers' settings in a "
+               "mamba_config.json beside it, which is missing)" if llama else "")
+        raise ValueError(f"{directory}/config.json is not a mamba-ssm config: it lacks "
+                         f"{', '.join(missing)}{why}")
     known = {f.name for f in dataclasses.fields(MambaConfig)}
     model = MambaLMHeadModel(MambaConfig(**{k: v for k, v in raw.items() if k in known}),
                              device=device, dtype=dtype)
@@ -294,7 +328,8 @@ def load_tokenizer(path: str):
     try:
         return Tokenizer.from_file(file)
     except Exception as err:
-        raise ValueError(f"{file} is not a readable tokenizer.json ({describe_error(err)})") from err
+        raise ValueError(f"{file} is not a readable tokenizer.json ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())})") from err
 
 
 def default_eos(model_dir: str, tokenizer) -> list[int]:

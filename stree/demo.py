@@ -79,7 +79,7 @@ def _which_run(repeats: int) -> str:
     """Which of each method's runs the table shows (``sorted(...)[repeats // 2]`` by tokens/s)."""
     if repeats % 2:
         return f"median of {repeats} interleaved runs"
-    return f"of {repeats} interleaved runs the faster middle one"
+    return f"the faster {'' if repeats == 2 else 'middle one '}of {repeats} interleaved runs"
 
 
 def default_prompts(n: int) -> list[str]:
@@ -95,6 +95,7 @@ def default_prompts(n: int) -> list[str]:
 def run(args) -> int:
     from stree.cli import default_eos, encode_prompt, load_role, load_tokenizer, model_config
     from stree.generation import generate
+    from stree.inputs import available_device
 
     target_dir, draft_dir = (os.path.join(args.models, d) for d in ("target", "draft"))
     for d in (target_dir, draft_dir):
@@ -112,7 +113,7 @@ def run(args) -> int:
     if not all(prompts):
         raise ValueError("the prompt is empty (--prompt): generation needs at least one prompt token")
     torch.manual_seed(0)
-    device = torch.device(args.device)
+    device = available_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = load_tokenizer(target_dir)
     # the shipped models saw <|endoftext|> (= bos) before every training file

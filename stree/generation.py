@@ -111,7 +111,9 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             compiled on a static cache (``stree.hybrid`` models; :mod:`stree.native`). Where
             torch.compile is unavailable: a RuntimeWarning and eager steps.
     Raises:
-        TypeError: non-integer ``input_ids``, ``eos_token_id`` or ``pad_token_id``.
+        TypeError: a target (or draft) that ``stree.patch`` has not patched, non-integer
+            ``input_ids``, ``eos_token_id``, ``pad_token_id`` or ``top_k``, a ``generator`` that is
+            no ``torch.Generator``, a ``streamer`` without ``put`` / ``end``.
         ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
             or device mismatch between target and draft (their dtypes may differ), an empty
             prompt, token ids outside the vocabulary, a sequence that would not fit an explicit
@@ -121,6 +123,12 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     sampling = SamplingConfig(temperature, top_k, top_p)
+    if method != "ar":  # the model's own decoding needs no tree API
+        _check_patched(target, "target")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
+        raise TypeError(f"streamer must have put(tokens) and end() methods, got {type(streamer).__name__}")
     device = _device(target)
     drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device)
     if drafter.uses_draft_model:
@@ -433,6 +441,7 @@ def _check_draft(target, draft, device: torch.device) -> None:
     drawn from reach the verifiers in fp32, so only acceptance depends on the draft's dtype."""
     if draft is None:
         raise ValueError("this method needs a draft model (only methods 'ar' and 'ar-tree' run without one)")
+    _check_patched(draft, "draft")
     vt, vd = vocab_size(target), vocab_size(draft)
     if vt is not None and vd is not None and vt != vd:
         raise ValueError(f"vocabulary mismatch: target logits have {vt} entries, draft {vd}; "
@@ -441,6 +450,12 @@ def _check_draft(target, draft, device: torch.device) -> None:
     if where != device:
         raise ValueError(f"device mismatch: the target is on {device}, the draft on {where}; "
                          "move both to one device")
+
+
+def _check_patched(model, role: str) -> None:
+    if not callable(getattr(model, "allocate_tree_cache", None)):  # the tree API stree.patch adds
+        raise TypeError(f"the {role} ({type(model).__name__}) has no tree API: call stree.patch(model) on it "
+                        "first")
 
 
 def _device(model) -> torch.device:
@@ -462,7 +477,11 @@ def _as_prompts(input_ids, device, vocab: int | None) -> list[Tensor]:
     elif input_ids and not hasattr(input_ids[0], "__len__"):
         rows = [token_ids(input_ids, device)]  # one prompt as a flat list of ints
     else:
-        rows = [token_ids(r, device).view(-1) for r in input_ids]
+        rows = [token_ids(r, device) for r in input_ids]
+        for i, r in enumerate(rows):
+            if r.dim() != 1:
+                raise ValueError(f"input_ids: prompt {i} of the list has shape {tuple(r.shape)}; each prompt "
+                                 "of a list must be 1-D (pass a batch as one (b, l) tensor)")
     if not rows:
         raise ValueError("no prompts given")
     for i, p in enumerate(rows):

@@ -1,12 +1,31 @@
 """Checks of user input at the API boundary (``stree.generate``, ``prefill``): token ids must be
 integers, and ids that stand for tokens (stop ids, the pad id) must lie in the vocabulary. A
 float tensor of ids would otherwise be truncated silently by ``.long()``, and a stop id outside
-the vocabulary could never stop anything."""
+the vocabulary could never stop anything. A device named for loading must exist here: otherwise
+the first failure would come from deep inside a checkpoint reader, worded as a broken file."""
 from __future__ import annotations
 
 import operator
 
 import torch
+
+
+def available_device(device) -> torch.device:
+    """``device`` (a string or torch.device) as a ``torch.device`` that can hold tensors here;
+    ValueError naming it when it is malformed, unavailable (``cuda`` without a GPU, an ordinal past
+    the GPUs present) or ``meta`` (which holds no data)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"unknown device {device!r}: {' '.join(str(err).split())}") from None
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no data: load the models onto a real device")
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"device {str(dev)!r} is not available here ({first})") from None
+    return dev
 
 
 def token_ids(ids, device=None, name: str = "input_ids") -> torch.Tensor:

@@ -55,7 +55,7 @@ def cap_new_tokens(prompt_len: int, max_new_tokens: int, scratch: int,
     if room < 1:
         raise ValueError(f"prompt length {prompt_len} + tree size {scratch} leaves no room for new "
                          f"tokens within the {role}'s context limit of {limit} positions "
-                         "(max_position_embeddings); shorten the prompt")
+                         "(max_position_embeddings); shorten the prompt or draft a smaller tree")
     warnings.warn(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} + tree size "
                   f"{scratch} = {need} exceeds the {role}'s context limit of {limit} positions "
                   f"(max_position_embeddings): generating at most {room} new tokens",

@@ -270,6 +270,9 @@ def patch(model):
     """
     if isinstance(model, TreeDecodingMixin):
         return model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"stree.patch takes a loaded model (a torch.nn.Module), got {type(model).__name__}; "
+                        "load a checkpoint directory first, e.g. with stree.hf.load(path)")
     mixers = _stree_mixers(model)  # raises for unsupported models
     for idx, mixer in mixers:
         if not (mamba2.is_mamba2(mixer) or attention.view(mixer) is not None):

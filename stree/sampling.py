@@ -8,6 +8,8 @@ monotone), so the order of those two does not matter.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +29,13 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name, kind in (("temperature", numbers.Real), ("top_k", numbers.Integral), ("top_p", numbers.Real)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise TypeError(f"{name} must be {'an int' if kind is numbers.Integral else 'a number'}, "
+                                f"got {value!r}")
+        if not 0.0 <= self.temperature < math.inf:  # also catches NaN
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         # mamba_ssm treats top_p=0 as "off" and HF as "keep one token"; refuse rather than guess.
@@ -41,6 +48,9 @@ class SamplingConfig:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
 def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     """Probabilities the target samples from.
 
@@ -50,7 +60,11 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     logits = logits.float()
     if sampling.is_greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / sampling.temperature
+    # shifted so the largest logit is 0 before the division: the same distribution, and a tiny
+    # temperature sends the others to -inf (the greedy limit) instead of overflowing to inf - inf;
+    # a temperature below fp32's smallest normal number (0 in fp32: 0 / 0) divides as that number,
+    # which is already that limit for any two logits fp32 can tell apart
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(sampling.temperature, _FP32_TINY)
     v = logits.shape[-1]
     if 0 < sampling.top_k < v:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]

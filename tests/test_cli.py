@@ -40,6 +40,14 @@ def gen(*extra, target=TARGET, draft=DRAFT, prompt="def f(x):"):
     return args + (["--draft", draft] if draft else []) + list(extra)
 
 
+def model_dirs(tmp_path, *names):
+    """Model directories as the CLI checks them before loading (a config.json each), for tests
+    that replace the loader."""
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+
+
 def copy_model(tmp_path, src=TARGET, name="m"):
     dst = tmp_path / name
     shutil.copytree(src, dst)
@@ -48,8 +56,12 @@ def copy_model(tmp_path, src=TARGET, name="m"):
 
 # ------------------------------------------------------------------------- bad input: generate
 @pytest.mark.parametrize("extra,pattern", [
-    (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--temperature", "nan"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be finite and >= 0"),
+    (["--temperature", "nan"], "temperature must be finite and >= 0"),
+    (["--temperature", "inf"], "temperature must be finite and >= 0"),
+    (["--seed", str(2**70)], "--seed must fit in 64 bits"),
+    (["--device", "bogus"], "unknown device 'bogus'"),
+    (["--device", "meta"], "device 'meta' holds no data"),
     (["--top-p", "0"], r"top_p must be in \(0, 1\]"),
     (["--top-k", "-2"], "top_k must be >= 0"),
     (["--tree", "static:fig9"], "unknown"),
@@ -75,12 +87,31 @@ def test_empty_prompt(capsys, tmp_path):
     empty.write_text("")
     args = [a for a in gen() if a not in ("--prompt", "def f(x):")] + ["--prompt-file", str(empty)]
     assert_error(capsys, args, "prompt is empty")
-    assert_error(capsys, args[:-1] + [str(tmp_path / "missing.txt")], "No such file")
+    assert_error(capsys, args[:-1] + [str(tmp_path / "missing.txt")], "--prompt-file .*missing.txt: No such file")
+    assert_error(capsys, args[:-1] + [str(tmp_path)], "--prompt-file .*: Is a directory")
+    binary = tmp_path / "b.txt"
+    binary.write_bytes(b"def f():\xff\xfe")
+    assert_error(capsys, args[:-1] + [str(binary)], "--prompt-file .*b.txt: not UTF-8 text")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device_is_named_not_blamed_on_the_checkpoint(capsys):
+    """A GPU asked for on a machine without one: the device is the error, before any model loads
+    (not a 'truncated or corrupt' checkpoint from the weight reader)."""
+    assert_error(capsys, gen("--device", "cuda"), "device 'cuda' is not available here")
+    assert_error(capsys, ["demo", "--device", "cuda", "--max-new-tokens", "2"], "device 'cuda' is not available here")
+    from stree.hybrid import MambaInLlamaForCausalLM
+
+    with pytest.raises(ValueError, match="device 'cuda' is not available here"):
+        MambaInLlamaForCausalLM.from_pretrained(TARGET, device="cuda")
 
 
 def test_missing_and_wrong_model_directories(capsys, tmp_path):
+    """Model directories are checked before the tokenizer is read from one of them."""
     assert_error(capsys, gen(target=str(tmp_path / "nope"), draft=None, *["--method", "ar"]),
-                 "(tokenizer|model directory).*nope")
+                 "target model .*nope: model directory not found")
+    assert_error(capsys, gen(target=PAIR), "target model .*no config.json .*pass one of them")
+    assert_error(capsys, gen(draft=str(tmp_path / "nope")), "draft model .*nope: model directory not found")
     assert_error(capsys, gen("--tokenizer", TARGET, target=str(tmp_path / "nope")),
                  "target model .*nope: model directory not found")
     assert_error(capsys, gen("--tokenizer", TARGET, target=PAIR),
@@ -104,6 +135,24 @@ def test_corrupt_or_truncated_checkpoint(capsys, tmp_path):
     m4 = copy_model(tmp_path, name="m4")
     (m4 / "tokenizer.json").write_text("[]")
     assert_error(capsys, gen(target=str(m4)), "not a readable tokenizer.json")
+
+
+def test_config_without_mamba_settings_is_refused_before_building_a_model(capsys, tmp_path, monkeypatch):
+    """A hybrid directory that lost its mamba_config.json (or --model-type mamba on a Llama-style
+    config.json) once fell through to mamba-ssm's config defaults and allocated a 2.8B-parameter
+    model (about 11 GB) before failing on missing keys: refused from the config, naming the file."""
+    import mamba_ssm.models.mixer_seq_simple as mixer_seq_simple
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(mixer_seq_simple, "MambaLMHeadModel", no_model)
+    m = copy_model(tmp_path, src=DRAFT)
+    (m / "mamba_config.json").unlink()
+    assert_error(capsys, gen(draft=str(m)), "draft model .*config.json is not a mamba-ssm config: it lacks "
+                                              "d_model, n_layer .*mamba_config.json .*missing")
+    assert_error(capsys, gen("--model-type", "mamba", "--method", "ar", draft=None),
+                 "target model .*config.json is not a mamba-ssm config")
 
 
 def test_mamba1_hybrid_checkpoint_is_refused_as_mamba1(capsys, tmp_path):
@@ -145,8 +194,7 @@ def test_unpatchable_model(capsys, tmp_path):
 def test_vocabulary_mismatch(capsys, tmp_path, monkeypatch):
     models = {"T": FakeLM(vocab_size=23), "D": FakeLM(vocab_size=25)}
     monkeypatch.setattr(cli, "load_model", lambda d, *_: models[os.path.basename(d)])
-    for name in models:
-        (tmp_path / name).mkdir()
+    model_dirs(tmp_path, *models)
     assert_error(capsys, gen("--tokenizer", TARGET, target=str(tmp_path / "T"), draft=str(tmp_path / "D")),
                  "vocabulary mismatch")
 
@@ -211,8 +259,7 @@ def test_cli_streams_text_and_prints_stats(tmp_path, monkeypatch, capsys, progre
     tok = _word_tokenizer(tmp_path, 23)
     models = {"T": target, "D": draft}
     monkeypatch.setattr(cli, "load_model", lambda d, *_: models[os.path.basename(d)])
-    for name in models:
-        (tmp_path / name).mkdir()
+    model_dirs(tmp_path, *models)
     args = ["generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
             "--prompt", "w1 w2 w3", "--max-new-tokens", "20", "--tree", "beam:3x2",
             "--tokenizer", str(tmp_path), "--eos-token-id", "-1"] + ([] if progress else ["--no-progress"])
@@ -227,8 +274,7 @@ def test_cli_prepends_bos_and_stops_at_any_of_several_ids(tmp_path, monkeypatch,
     target, v = FakeLM(vocab_size=23), 23
     tok = _word_tokenizer(tmp_path, v)
     monkeypatch.setattr(cli, "load_model", lambda d, *_: target)
-    for name in ("T", "D"):
-        (tmp_path / name).mkdir()
+    model_dirs(tmp_path, "T", "D")
     (tmp_path / "T" / "config.json").write_text(json.dumps({"bos_token_id": 5}))
     ref = greedy_reference(target, [5, 1, 2, 3], 30)  # BOS first, as in the demo
     stops = [ref[7], ref[12]]
@@ -313,8 +359,7 @@ def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
         return real(*args, **{**kwargs, "compile": False})  # a FakeLM has no steps to compile
 
     monkeypatch.setattr(generation, "generate", spy)
-    for name in ("T", "D"):
-        (tmp_path / name).mkdir()
+    model_dirs(tmp_path, "T", "D")
     rc, _, err = run(capsys, "generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
                      "--prompt", "w1 w2", "--max-new-tokens", "5", "--tokenizer", str(tmp_path),
                      "--tree", "static:2,2", "--no-progress", "--compile")
@@ -328,8 +373,7 @@ def test_prepack_is_the_default_and_no_prepack_reaches_the_loader(tmp_path, monk
     _word_tokenizer(tmp_path, 23)
     monkeypatch.setattr(cli, "load_model",
                         lambda d, device, dtype, kind, prepack: seen.append(prepack) or target)
-    for name in ("T", "D"):
-        (tmp_path / name).mkdir()
+    model_dirs(tmp_path, "T", "D")
     rc, _, err = run(capsys, "generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
                      "--prompt", "w1 w2", "--max-new-tokens", "5", "--tokenizer", str(tmp_path),
                      "--no-progress", *flag)

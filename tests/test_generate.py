@@ -220,6 +220,37 @@ def test_non_lossless_pair_refused(target, draft, drafter, verifier, temperature
     assert target.calls == []  # refused before running anything
 
 
+@pytest.mark.parametrize("kwargs,error,pattern", [
+    ({"generator": 0}, TypeError, "generator must be a torch.Generator"),
+    ({"streamer": object()}, TypeError, r"streamer must have put\(tokens\) and end\(\)"),
+    ({"top_k": 1.5, "temperature": 1.0}, TypeError, "top_k must be an int"),
+    ({"temperature": "1.0"}, TypeError, "temperature must be a number"),
+    ({"top_p": None}, TypeError, "top_p must be a number"),
+    ({"temperature": float("inf")}, ValueError, "temperature must be finite"),
+], ids=lambda x: str(x) if isinstance(x, dict) else None)
+def test_bad_options_refused_before_anything_runs(target, draft, kwargs, error, pattern):
+    target.calls.clear()
+    with pytest.raises(error, match=pattern):
+        generate(target, draft, PROMPTS[:1], 5, **kwargs)
+    assert target.calls == []
+
+
+def test_a_list_of_prompts_holds_1d_prompts(target, draft):
+    """A (2, l) tensor inside a list was once flattened into one prompt of 2l tokens."""
+    with pytest.raises(ValueError, match=r"prompt 0 of the list has shape \(2, 4\); each prompt of a list must be 1-D"):
+        generate(target, draft, [torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])], 5)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        generate(target, draft, [[[1, 2]]], 5)
+
+
+def test_unpatched_models_are_named():
+    plain = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"the target \(Linear\) has no tree API: call stree.patch"):
+        generate(plain, FakeLM(vocab_size=V), PROMPTS, 5)
+    with pytest.raises(TypeError, match=r"the draft \(Linear\) has no tree API"):
+        generate(FakeLM(vocab_size=V), plain, PROMPTS, 5)
+
+
 def test_chain_method_needs_a_chain(target, draft):
     with pytest.raises(ValueError, match="chain drafter"):
         generate(target, draft, PROMPTS, 5, method="chain", drafter="static:A")

@@ -64,8 +64,18 @@ def test_bad_tokens_prompts_and_batches(ready):
 def test_unsupported_models_and_layers():
     with pytest.raises(TypeError, match="supports mamba_ssm MambaLMHeadModel"):
         stree.patch(torch.nn.Linear(2, 2))
+    for not_a_model in (None, "path/to/checkpoint"):
+        with pytest.raises(TypeError, match=r"stree.patch takes a loaded model .*stree.hf.load\(path\)"):
+            stree.patch(not_a_model)
     model = make_model(seed=12)
     model.backbone.layers[1].mixer = torch.nn.Linear(64, 64)
     with pytest.raises(TypeError, match="layer 1: Linear is not supported"):
         stree.patch(model)
     assert not hasattr(model, "tree_forward")
+
+
+def test_loading_a_missing_directory_says_so(tmp_path):
+    import stree.hf
+
+    with pytest.raises(FileNotFoundError, match="checkpoint directory not found: .*nope"):
+        stree.hf.load(str(tmp_path / "nope"))

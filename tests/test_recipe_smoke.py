@@ -133,7 +133,7 @@ def test_target_from_refuses_another_recipe(tmp_path):
     assert report["train"]["target"]["trained_by"] == "first"
     assert (tmp_path / "again" / "target" / "model.safetensors").read_bytes() == \
         (out / "target" / "model.safetensors").read_bytes()
-    assert "Trained by `first`" in (tmp_path / "README.md").read_text()
+    assert "Trained by an earlier run, `first`" in (tmp_path / "README.md").read_text()
 
     other = tiny_config()
     other.target_from = str(out / "target")

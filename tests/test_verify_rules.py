@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stree.draft_types import Draft
-from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.sampling import SamplingConfig, sample, sample_from, target_probs
 from stree.tree import TokenTree
 from stree.verify import Verdict, default_verifier, get_verifier
 from stree.verify.base import children_table
@@ -306,6 +306,17 @@ def test_target_probs_greedy_and_ties():
     assert p[0, 0] == 0 and p[0, 2] == 0 and torch.isclose(p[0, 1], p[0, 3])
     p = target_probs(logits.half(), SamplingConfig(1.0))
     assert p.dtype == torch.float32 and torch.isclose(p.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-40, 5e-324])
+def test_target_probs_at_a_tiny_temperature_tend_to_greedy(temperature):
+    """As T -> 0 the distribution tends to the argmax (uniform over tied maxima). Dividing raw
+    logits by a T this small overflowed to inf (inf - inf = NaN in softmax), and sampling the NaN
+    row always drew token 0."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [1.0, 4.0, 4.0, -2.0]])
+    p = target_probs(logits, SamplingConfig(temperature))
+    assert p.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]]
+    assert sample(logits[:1], SamplingConfig(temperature)).tolist() == [1]
 
 
 def test_sample_from_unnormalised_and_zero_rows():

@@ -56,6 +56,8 @@ def is_checkpoint(directory: str) -> bool:
 def load(directory: str, dtype=None, device="cpu"):
     """A transformers model from a local ``save_pretrained`` directory (never downloads), in eval
     mode and not patched. Raises ``ValueError`` for a directory of another kind."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
     cfg = _read_config(directory)
     archs = (cfg or {}).get("architectures") or []
     if not any(a in SUPPORTED for a in archs):

@@ -12,6 +12,8 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from stree.inputs import available_device
+
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 BIN_NAME = "pytorch_model.bin"
@@ -25,7 +27,7 @@ def load_state_dict(directory: str | os.PathLike, device: str | torch.device = "
     """Read every tensor of the checkpoint in ``directory`` onto ``device``."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory not found: {directory}")
-    device = str(device)
+    device = str(available_device(device))
     single = os.path.join(directory, SAFETENSORS_NAME)
     if os.path.isfile(single):
         return read_weights(single, device)
