@@ -24,6 +24,7 @@ The methods share that loop and its statistics and differ only in the drafter an
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -136,8 +137,9 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     # every check of the request before anything runs or is allocated
     vocab = vocab_size(target)
     prompts = _as_prompts(input_ids, device, vocab)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)  # numpy integers too
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     eos = stop_ids(eos_token_id, vocab)

@@ -7,6 +7,7 @@ change is three new methods; the model's own code paths are untouched.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,9 @@ class TreeDecodingMixin:
         """Zero state for ``num_slots`` sequences of up to ``max_seqlen`` tokens, per layer;
         ``pool.cache(slots)`` makes a :class:`TreeCache` whose row r lives in slot ``slots[r]``
         (see :class:`StatePool`)."""
+        if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (num_slots, max_seqlen)):
+            raise TypeError(f"num_slots / batch_size and max_seqlen must be ints, got {num_slots!r}, "
+                            f"{max_seqlen!r}")
         if num_slots < 1 or max_seqlen < 1:
             raise ValueError(f"the number of sequences (batch_size / num_slots) and max_seqlen must be "
                              f"positive, got {num_slots}, {max_seqlen}")

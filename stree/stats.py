@@ -73,10 +73,11 @@ class GenerationStats:
 
     def summary(self) -> str:
         hist = " ".join(f"{k}:{self.accept_hist[k]}" for k in sorted(self.accept_hist))
+        tau = f"{self.tau:.3f}" if self.steps else "-"
         return (f"method={self.method} drafter={self.drafter or '-'} verifier={self.verifier or '-'}\n"
                 f"new tokens {self.new_tokens} (batch {self.batch_size}) in {self.total_s:.3f} s = "
                 f"{self.tokens_per_s:.2f} tok/s\n"
-                f"tau {self.tau:.3f} tokens/target call over {self.target_calls} target calls, "
+                f"tau {tau} tokens/target call over {self.target_calls} target calls, "
                 f"{self.draft_calls} draft calls; accepted-length histogram {hist or '-'}\n"
                 f"time: prefill {self.prefill_s:.3f} s, draft {self.draft_s:.3f} s, "
                 f"verify {self.verify_s:.3f} s, replay {self.replay_s:.3f} s")

@@ -235,6 +235,14 @@ def test_bad_options_refused_before_anything_runs(target, draft, kwargs, error, 
     assert target.calls == []
 
 
+def test_numpy_integer_max_new_tokens_and_an_empty_run(target, draft):
+    import numpy as np
+
+    out = generate(target, draft, PROMPTS[:1], np.int64(3))
+    assert out.lengths[0] == len(PROMPTS[0]) + 3
+    assert "tau - tokens/target call" in generate(target, draft, PROMPTS[:1], 0).stats.summary()
+
+
 def test_a_list_of_prompts_holds_1d_prompts(target, draft):
     """A (2, l) tensor inside a list was once flattened into one prompt of 2l tokens."""
     with pytest.raises(ValueError, match=r"prompt 0 of the list has shape \(2, 4\); each prompt of a list must be 1-D"):

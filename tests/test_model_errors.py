@@ -79,3 +79,25 @@ def test_loading_a_missing_directory_says_so(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="checkpoint directory not found: .*nope"):
         stree.hf.load(str(tmp_path / "nope"))
+
+
+def test_truncated_transformers_checkpoint_is_named(tmp_path):
+    import stree.hf
+    from stree.hybrid.checkpoint import CheckpointError
+    from tests.hf_models import build
+
+    _, directory = build("mamba2", tmp_path)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="cannot read the weights in .*truncated or corrupt"):
+        stree.hf.load(str(directory))
+
+
+def test_non_integer_sizes_and_dtypes_are_refused():
+    from stree.hybrid import MambaInLlamaForCausalLM
+
+    model = stree.patch(make_model(seed=11))
+    with pytest.raises(TypeError, match="must be ints, got 1.5, 64"):
+        model.allocate_tree_cache(1.5, 64)
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        MambaInLlamaForCausalLM.from_pretrained("any/directory", dtype="bf16")  # checked first

@@ -65,8 +65,16 @@ def load(directory: str, dtype=None, device="cpu"):
                          f"(architectures={archs}); supported: {', '.join(SUPPORTED)}")
     import transformers
 
+    from safetensors import SafetensorError
+
+    from stree.hybrid.checkpoint import CheckpointError
+
     cls = getattr(transformers, next(a for a in archs if a in SUPPORTED))
-    model = cls.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    try:
+        model = cls.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    except SafetensorError as err:
+        raise CheckpointError(f"cannot read the weights in {directory}: a safetensors file is truncated or "
+                              f"corrupt ({' '.join(str(err).split())})") from err
     return model.to(device).eval()
 
 

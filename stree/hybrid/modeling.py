@@ -238,6 +238,8 @@ class MambaInLlamaForCausalLM(nn.Module):
         unreadable (truncated) weight file, naming Mamba-1 weights (not supported), or naming the key
         for a missing or unexpected tensor or a shape mismatch.
         """
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
         try:
             config, config_error = MambaInLlamaConfig.from_pretrained(directory), None
         except ValueError as err:  # a Mamba-1 checkpoint fails the Mamba2 size checks; say why below
