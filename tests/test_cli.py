@@ -104,6 +104,10 @@ def test_unavailable_device_is_named_not_blamed_on_the_checkpoint(capsys):
 
     with pytest.raises(ValueError, match="device 'cuda' is not available here"):
         MambaInLlamaForCausalLM.from_pretrained(TARGET, device="cuda")
+    import stree.hf
+
+    with pytest.raises(ValueError, match="device 'cuda' is not available here"):
+        stree.hf.load(TARGET, device="cuda")
 
 
 def test_missing_and_wrong_model_directories(capsys, tmp_path):

@@ -11,6 +11,7 @@ import importlib
 import os
 
 from stree.hf import kernels
+from stree.inputs import available_device
 from stree.jsonfile import read_json
 
 kernels.install()
@@ -58,6 +59,7 @@ def load(directory: str, dtype=None, device="cpu"):
     mode and not patched. Raises ``ValueError`` for a directory of another kind."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+    device = available_device(device)  # as every loader: an absent device is named, not a broken file
     cfg = _read_config(directory)
     archs = (cfg or {}).get("architectures") or []
     if not any(a in SUPPORTED for a in archs):
