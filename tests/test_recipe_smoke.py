@@ -24,7 +24,7 @@ def tiny_config() -> "recipe.RecipeConfig":
         target=shape(hidden_size=32, num_layers=2, attn_layers=(1,), num_heads=2, num_kv_heads=1,
                      intermediate_size=64),
         draft=shape(hidden_size=16, num_layers=1, attn_layers=(), num_heads=1, num_kv_heads=1,
-                    intermediate_size=32),
+                    intermediate_size=32, tie_embeddings=True),  # as the shipped draft
         target_train=recipe.TrainSettings(budget_s=0.0, steps=3, batch_size=2, seq_len=32, log_every=1),
         draft_train=recipe.TrainSettings(budget_s=0.0, steps=3, batch_size=2, seq_len=32, log_every=1),
         continuations=recipe.ContinuationSettings(sequences=3, prompt_len=8, batch_size=2, mix=0.5),
@@ -55,6 +55,8 @@ def test_recipe_smoke(tmp_path):
         x = torch.randint(0, 320, (1, 8))
         logits = recipe._logits(model(x))
         assert logits.shape == (1, 8, 320) and torch.isfinite(logits).all()
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        assert tied == (name == "draft"), f"{name}: tied embeddings not kept through save and load"
 
     mamba_cfg = json.loads((out / "draft" / "mamba_config.json").read_text())
     assert mamba_cfg["attn_layers"] == [] and mamba_cfg["n_layer"] == 1
@@ -134,6 +136,11 @@ def test_target_from_refuses_another_recipe(tmp_path):
     assert (tmp_path / "again" / "target" / "model.safetensors").read_bytes() == \
         (out / "target" / "model.safetensors").read_bytes()
     assert "Trained by an earlier run, `first`" in (tmp_path / "README.md").read_text()
+    cfg = tiny_config()  # carried over twice: still the run that trained it
+    cfg.target_from = str(tmp_path / "again" / "target")
+    third = recipe.run(cfg, tmp_path / "third", card_path=tmp_path / "third.md", command="third",
+                       log=lambda m: None)
+    assert third["train"]["target"]["trained_by"] == "first"
 
     other = tiny_config()
     other.target_from = str(out / "target")
