@@ -127,10 +127,10 @@ class RecipeConfig:
         hidden_size=384, num_layers=8, attn_layers=(1, 3, 5, 7), num_heads=6, num_kv_heads=2,
         intermediate_size=1024))
     # One wide Mamba2 layer, embeddings tied (the untied ones would not fit the 40 MB): on 2 CPU cores a
-    # draft call costs what its ~30 small ops cost, so one layer of width 320 runs 15% faster in the
-    # decoding loop than the two layers of width 192 shipped before (0.65 against 0.73-0.82 ms) and,
+    # draft call costs what its small ops cost, so one layer of width 320 runs 15% faster in the
+    # decoding loop than the two layers of width 192 shipped before (0.65 against 0.73-0.86 ms) and,
     # distilled the same way for 800 steps, agreed more with the target on its greedy text (0.58
-    # against 0.53); width 384 agreed less and cost more (model card).
+    # against 0.53); width 384 cost more and agreed less on that text (model card).
     draft: ModelShape = field(default_factory=lambda: ModelShape(
         hidden_size=320, num_layers=1, attn_layers=(), num_heads=5, num_kv_heads=1,
         intermediate_size=896, tie_embeddings=True))
