@@ -9,7 +9,9 @@ Methods (``--methods``), all through ``stree.generate`` with batch size 1, one p
   show stree's own per-step overhead; not a baseline;
 * ``chain:K``: vanilla speculative decoding with a K-token draft chain (speculative sampling at T > 0);
 * ``tree:SPEC``: STree with drafter SPEC (``static:fig4a``, ``beam:4x3``, ``dyspec:16``,
-  ``dynatree:6x2:16``, ``dynatree2``, ``auto``, ... see ``stree.draft.presets``);
+  ``dynatree:6x2:16``, ``dynatree2``, ``suffix:16``, ``caterpillar:2,2,2+suffix:16``, ``auto``, ...
+  see ``stree.draft.presets``);
+* ``nodraft:SPEC``: the same with no draft model (``nodraft:auto`` picks among suffix trees);
 * ``unrolled:SPEC``: the same drafts verified as separate root-to-leaf chains (a correctness baseline);
 * any of these with ``@VERIFIER`` appended picks the verifier (``chain:4@asps``, ``tree:dyspec:16@naive``;
   default: the lossless default for the temperature).
@@ -24,6 +26,13 @@ Correctness first: at temperature 0 every method must emit exactly the same toke
 anything. Each (method, temperature) is warmed up once on the first prompt, then timed over all prompts,
 prompt-major (every method on prompt i before prompt i + 1, so the machine's slow spells spread over
 all methods); at T > 0 prompt i is sampled with a generator seeded ``seed + i`` for every method.
+
+Prompt sets: ``humaneval``, ``mtbench``, a ``.jsonl`` file, or ``heldout-code``: the first
+``--prompt-tokens`` tokens (default 1536) of the shipped recipe's held-out standard-library files
+(``models/data.py``), a long-context code-completion workload where the context holds much of
+what the model writes next. ``--repeat N`` runs the prompt list N times over (a workload of
+repeated requests) and ``--suffix-cache`` gives each method one ``stree.SuffixCache`` for all its
+prompts, so the repeats can draft from the first pass's outputs.
 
 Per (method, temperature) it aggregates, over prompts: new tokens, target and draft calls, steps, tau
 (tokens per step, counted the same way for every method by ``stree.stats.GenerationStats``), the merged
@@ -73,6 +82,7 @@ class Method:
     drafter: str | None
     verifier: str | None = None
     compile: bool = False  # stree.generate(compile=True): a "+compile" suffix
+    draft_model: bool = True  # False: "nodraft:SPEC"
 
     @classmethod
     def parse(cls, spec: str) -> "Method":
@@ -90,8 +100,10 @@ class Method:
             return cls(spec, "chain", body, verifier or None)
         if kind in ("tree", "unrolled") and rest:
             return cls(spec, kind, rest, verifier or None)
-        raise ValueError(f"unknown method {spec!r}: expected ar, ar-tree, chain:K, tree:SPEC or "
-                         "unrolled:SPEC, the last three optionally with @VERIFIER")
+        if kind == "nodraft" and rest:
+            return cls(spec, "tree", rest, verifier or None, draft_model=False)
+        raise ValueError(f"unknown method {spec!r}: expected ar, ar-tree, chain:K, tree:SPEC, "
+                         "nodraft:SPEC or unrolled:SPEC, the last four optionally with @VERIFIER")
 
     @property
     def compilable(self) -> bool:
@@ -115,6 +127,9 @@ class BenchConfig:
     seed: int
     out: Path
     no_prepack: bool = False
+    prompt_tokens: int = 1536
+    repeat: int = 1
+    suffix_cache: bool = False
 
 
 # ---- setup -------------------------------------------------------------------------------
@@ -124,7 +139,13 @@ def parse_args(argv=None) -> BenchConfig:
     ap.add_argument("--models", help="directory holding target/ and draft/ (e.g. models/stree-tiny)")
     ap.add_argument("--target", help="target model directory (default: MODELS/target)")
     ap.add_argument("--draft", help="draft model directory (default: MODELS/draft)")
-    ap.add_argument("--prompts", default="humaneval", help="humaneval | mtbench | path to a .jsonl file")
+    ap.add_argument("--prompts", default="humaneval",
+                    help="humaneval | mtbench | heldout-code | path to a .jsonl file")
+    ap.add_argument("--prompt-tokens", type=int, default=1536,
+                    help="heldout-code: tokens of each file's start (default 1536)")
+    ap.add_argument("--repeat", type=int, default=1, help="run the prompt list this many times over")
+    ap.add_argument("--suffix-cache", action="store_true",
+                    help="one stree.SuffixCache per method, shared by all its prompts")
     ap.add_argument("--limit", type=int, default=20, help="first N prompts (default 20)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -160,7 +181,8 @@ def parse_args(argv=None) -> BenchConfig:
     return BenchConfig(target=target, draft=draft, prompts=a.prompts, limit=a.limit,
                        max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, methods=methods,
                        device=a.device, dtype=dtype, seed=a.seed, out=a.out,
-                       no_prepack=a.no_prepack)
+                       no_prepack=a.no_prepack, prompt_tokens=a.prompt_tokens, repeat=a.repeat,
+                       suffix_cache=a.suffix_cache)
 
 
 def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
@@ -169,28 +191,42 @@ def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
     from stree.cli import encode_prompt, model_config
     from stree.prompts import load_prompts
 
-    texts = load_prompts(cfg.prompts, limit=cfg.limit)
-    if not texts:
-        raise SystemExit(f"prompt set {cfg.prompts!r} gave no prompts")
     bos = model_config(cfg.target).get("bos_token_id")
-    return [torch.tensor(encode_prompt(tokenizer, t, bos), dtype=torch.long, device=device)
-            for t in texts]
+    if cfg.prompts == "heldout-code":
+        ids = [encode_prompt(tokenizer, t, bos)[:cfg.prompt_tokens] for t in heldout_code(cfg.limit)]
+    else:
+        ids = [encode_prompt(tokenizer, t, bos) for t in load_prompts(cfg.prompts, limit=cfg.limit)]
+    if not ids:
+        raise SystemExit(f"prompt set {cfg.prompts!r} gave no prompts")
+    return [torch.tensor(i, dtype=torch.long, device=device) for i in ids] * cfg.repeat
+
+
+def heldout_code(limit: int | None) -> list[str]:
+    """The texts of the shipped recipe's held-out files (its 5% split of this Python's standard
+    library, ``models/data.py``), in path order, skipping files under 4 kB (too short to be a
+    long-context prompt)."""
+    from models import data
+
+    root = data.stdlib_root()
+    paths = [p for p in data.corpus_files(root)
+             if data.is_heldout(p.relative_to(root).as_posix(), 5.0) and p.stat().st_size >= 4096]
+    return [p.read_text(encoding="utf-8", errors="replace") for p in paths[:limit]]
 
 
 # ---- runs --------------------------------------------------------------------------------
 
 def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: int,
-            max_new_tokens: int):
+            max_new_tokens: int, suffix_cache=None):
     """One ``stree.generate`` call for one prompt; returns its GenerationOutput."""
     from stree.generation import generate
 
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=ids.device).manual_seed(seed)
-    return generate(target, draft if method.drafter else None, ids[None], max_new_tokens,
-                    temperature=temperature, eos_token_id=eos, drafter=method.drafter,
-                    verifier=method.verifier, method=method.method, generator=generator,
-                    compile=method.compile)
+    return generate(target, draft if method.drafter and method.draft_model else None, ids[None],
+                    max_new_tokens, temperature=temperature, eos_token_id=eos,
+                    drafter=method.drafter, verifier=method.verifier, method=method.method,
+                    generator=generator, compile=method.compile, suffix_cache=suffix_cache)
 
 
 def first_mismatch(outputs: dict[str, list[list[int]]]) -> str | None:
@@ -217,6 +253,7 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
     for temperature in cfg.temperatures:
         tokens: dict[str, list[list[int]]] = {}
         totals: dict[str, GenerationStats] = {}
+        caches = {m.label: _suffix_cache(cfg, m) for m in cfg.methods}
         for method in cfg.methods:
             # warm up once: lazy initialisation, Triton or torch.compile compilation, allocator growth
             run_one(target, draft, prompts[0], method, temperature, eos, cfg.seed,
@@ -228,7 +265,7 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
         for i, ids in enumerate(prompts):
             for method in cfg.methods:
                 out = run_one(target, draft, ids, method, temperature, eos, cfg.seed + i,
-                              cfg.max_new_tokens)
+                              cfg.max_new_tokens, caches[method.label])
                 new = out.sequences[0, len(ids):out.lengths[0]].tolist()
                 tokens[method.label].append(new)
                 totals[method.label].merge(out.stats)
@@ -242,6 +279,16 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
             return summary, per_prompt, error
         summary += summary_rows(meta, cfg, temperature, totals)
     return summary, per_prompt, None
+
+
+def _suffix_cache(cfg: BenchConfig, method: Method):
+    """With ``--suffix-cache``, a new cache for a method that drafts suffix trees."""
+    from stree import SuffixCache
+    from stree.draft import parse_drafter
+
+    if not cfg.suffix_cache or method.drafter is None or not parse_drafter(method.drafter).reads_context:
+        return None
+    return SuffixCache()
 
 
 def prompt_row(meta, method: Method, temperature, index, prompt_tokens, stats) -> dict:
@@ -345,14 +392,16 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(cfg.target)
     prepack = not cfg.no_prepack
     target = load_model(cfg.target, device, dtype, prepack=prepack)
-    needs_draft = any(m.drafter for m in cfg.methods)
+    needs_draft = any(m.drafter and m.draft_model for m in cfg.methods)
     draft = load_model(cfg.draft, device, dtype, prepack=prepack) if needs_draft else None
     eos = default_eos(cfg.target, tokenizer)
     prompts = encode_prompts(cfg, tokenizer, device)
     meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
                 target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
                 prompt_set=cfg.prompts, limit=cfg.limit, n_prompts=len(prompts),
-                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos, prepack=prepack)
+                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos, prepack=prepack,
+                repeat=cfg.repeat, suffix_cache=cfg.suffix_cache,
+                prompt_tokens=cfg.prompt_tokens if cfg.prompts == "heldout-code" else None)
     print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} | "
           f"{meta['torch_threads']} torch threads | {len(prompts)} prompts of {cfg.prompts} | "
           f"max {cfg.max_new_tokens} new tokens")

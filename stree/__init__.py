@@ -8,9 +8,12 @@
     pool = model.allocate_state_pool(num_slots, max_seqlen)   # serving engines: rows in pool slots
     cache = pool.cache(slots)                        # (b,) slots; row r's state is slot slots[r]
     out = stree.generate(target, draft, input_ids, max_new_tokens=128, temperature=0.0)
+    out = stree.generate(target, None, input_ids, drafter="suffix:16")   # no draft model
+    cache = stree.SuffixCache()                      # earlier outputs, shared by generate calls
     stree.prepack_linears(model)                     # CPU fp32: faster small-batch linears
 """
 from stree.cache import StatePool, TreeCache
+from stree.draft.suffix_index import SuffixCache
 from stree.generation import GenerationOutput, default_drafter, generate
 from stree.layers.linear import prepack_linears
 from stree.patch import patch
@@ -19,5 +22,6 @@ from stree.stats import GenerationStats
 from stree.tree import TokenTree, parents_from_widths
 
 __all__ = ["patch", "generate", "GenerationOutput", "GenerationStats", "TokenTree", "TreeCache",
-           "StatePool", "SamplingConfig", "parents_from_widths", "prepack_linears", "default_drafter"]
+           "StatePool", "SamplingConfig", "parents_from_widths", "prepack_linears", "default_drafter",
+           "SuffixCache"]
 __version__ = "0.1.0"

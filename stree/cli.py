@@ -41,15 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with speculative tree decoding")
     g.add_argument("--target", required=True, help="target model directory")
-    g.add_argument("--draft", help="draft model directory (not needed for --method ar)")
+    g.add_argument("--draft", help="draft model directory (not needed for --method ar or a suffix "
+                                   "tree, --tree suffix:16)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt text")
     g.add_argument("--method", default="tree", choices=["tree", "chain", "ar", "ar-tree", "unrolled"],
                    help="ar: the model's own autoregressive decoding; ar-tree: stree's 1-node tree path")
     g.add_argument("--tree", default=None,
-                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | caterpillar:C1,C2,... | dyspec:N[:D[:VT]] | "
-                        "dyspec-paper:N | dyspec-threshold:T | dynatree:DxB:N | dynatree2 | auto "
+                   help="drafter: fig4a | A..E | beam:NxM | chain:K | static:W1,W2,... | caterpillar:C1,C2,... | "
+                        "dyspec:N[:D[:VT]] | dyspec-paper:N | dyspec-threshold:T | dynatree:DxB:N | dynatree2 | "
+                        "suffix:N[:key=value,...] (no draft model) | TREE+suffix:N (merged) | auto "
                         "(default: caterpillar:2,2,2 on a CPU, fig4a on a GPU; chain:4 for "
                         "--method chain)")
     g.add_argument("--verifier", default=None,
@@ -137,11 +139,8 @@ def run_generate(args) -> int:
     from stree.generation import generate, resolve
     from stree.sampling import SamplingConfig
 
-    no_draft = args.method in ("ar", "ar-tree")
-    if not no_draft and not args.draft:
-        raise ValueError(f"--draft DIR is required for --method {args.method} "
-                         "(only --method ar and ar-tree run without a draft model)")
-    if no_draft and (args.tree or args.verifier):
+    no_tree = args.method in ("ar", "ar-tree")
+    if no_tree and (args.tree or args.verifier):
         raise ValueError(f"--method {args.method} drafts and verifies nothing: drop --tree/--verifier")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -150,9 +149,18 @@ def run_generate(args) -> int:
     # Validate the cheap things before loading models: device, sampling values, tree spec,
     # verifier pair, model directories.
     device = available_device(args.device)
-    drafter = None if no_draft else args.tree  # None: generate's default for the method and device
-    resolve(args.method, drafter, args.verifier, SamplingConfig(args.temperature, args.top_k, args.top_p),
-            args.compile, device)
+    drafter = None if no_tree else args.tree  # None: generate's default for the method and device
+    resolved, _ = resolve(args.method, drafter, args.verifier,
+                          SamplingConfig(args.temperature, args.top_k, args.top_p), args.compile, device,
+                          draft_model=bool(args.draft))
+    no_draft = not resolved.uses_draft_model
+    if not no_draft and not args.draft:
+        raise ValueError(f"--draft DIR is required for --method {args.method} with --tree "
+                         f"{resolved.name} (a suffix tree, --tree suffix:16, and --method ar / ar-tree "
+                         "run without a draft model)")
+    if no_draft and args.draft and not no_tree:
+        raise ValueError(f"--tree {resolved.name} runs no draft model: drop --draft, or merge the "
+                         f"draft's tree with it (--tree caterpillar:2,2,2+{resolved.name})")
     for role, directory in (("target", args.target), ("draft", None if no_draft else args.draft)):
         if directory is not None:
             with reported_as(role, directory):

@@ -41,13 +41,20 @@ DEFAULT_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 FALLBACK_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
 
-def methods(device: torch.device) -> list[tuple[str, str, str | None]]:
-    """(label, generate method, drafter) of the three rows, the tree chosen for the device."""
+def methods(device: torch.device, compile: bool = False) -> list[tuple[str, str, str | None]]:
+    """(label, generate method, drafter) of the rows, the draft model's tree chosen for the
+    device: the model's own decoding, chain SD, STree with the draft's tree, with a suffix tree
+    alone (no draft model) and ``auto`` (the draft's trees and suffix trees, chosen per step).
+    Suffix trees have no fixed template, so ``compile`` leaves their rows out."""
     from stree.generation import default_drafter
 
     tree = default_drafter("tree", device)
-    return [("autoregressive (model's own)", "ar", None), ("chain SD (K=4)", "chain", "chain:4"),
+    rows = [("autoregressive (model's own)", "ar", None), ("chain SD (K=4)", "chain", "chain:4"),
             (f"STree ({tree.removeprefix('static:')})", "tree", tree)]
+    if not compile:
+        rows += [("STree (suffix:16, no draft)", "tree", "suffix:16"),
+                 ("STree (auto: draft + suffix)", "tree", "auto")]
+    return rows
 
 
 def build_parser(parser=None) -> argparse.ArgumentParser:
@@ -125,23 +132,24 @@ def run(args) -> int:
     print(f"target: {_describe(target)}\ndraft:  {_describe(draft)}\n")
     print("=" * 30 + " prompt " + "=" * 30 + f"\n{prompts[0]}")
 
-    rows_of = methods(device)
-    # warm every method up once so no timed run pays for lazy initialisation
+    rows_of = methods(device, args.compile)
+    # warm every method up once so no timed run pays for lazy initialisation (auto measures
+    # the models' costs once, cached on disk)
     for _, method, drafter in rows_of:
-        generate(target, draft, ids[0], 8, method=method, drafter=drafter, eos_token_id=eos,
-                 compile=args.compile)
+        generate(target, _draft_for(drafter, draft), ids[0], 8, method=method, drafter=drafter,
+                 eos_token_id=eos, compile=args.compile)
     runs: dict[str, list] = {name: [] for name, _, _ in rows_of}
     texts = [set() for _ in ids]  # every run's text per prompt: one element iff all are identical
     for _ in range(args.repeats):
         totals = {}  # method -> its stats summed over the prompts
         for i, prompt_ids in enumerate(ids):
             for name, method, drafter in rows_of:
-                out = generate(target, draft, prompt_ids, args.max_new_tokens, method=method,
-                               drafter=drafter, eos_token_id=eos, compile=args.compile)
+                out = generate(target, _draft_for(drafter, draft), prompt_ids, args.max_new_tokens,
+                               method=method, drafter=drafter, eos_token_id=eos, compile=args.compile)
                 text = tokenizer.decode(out.sequences[0, prompt_ids.shape[1]:out.lengths[0]].tolist())
                 texts[i].add(text)
-                if i == 0 and method == "tree":
-                    shown = text
+                if i == 0:
+                    shown = text  # every text is the same at T = 0 (checked below)
                 if name in totals:
                     totals[name].merge(out.stats)
                 else:
@@ -149,20 +157,27 @@ def run(args) -> int:
         for name, st in totals.items():
             runs[name].append(st)
     rows = [(name, sorted(st, key=lambda s: s.tokens_per_s)[len(st) // 2]) for name, st in runs.items()]
-    print("=" * 24 + " STree continuation " + "=" * 24 + f"\n{shown}\n" + "=" * 68)
+    print("=" * 27 + " continuation " + "=" * 27 + f"\n{shown}\n" + "=" * 68)
 
     print(f"\ntemperature 0, {len(ids)} prompt(s), {args.max_new_tokens} new tokens at most each, "
           f"device {device}, {torch.get_num_threads()} torch threads, "
           f"{'every method compiled' if args.compile else 'eager'}; {_which_run(args.repeats)}")
-    print(f"{'method':<30}{'tokens':>8}{'tau':>8}{'tok/s':>10}{'vs AR':>8}"
+    print(f"{'method':<32}{'tokens':>8}{'tau':>8}{'tok/s':>10}{'vs AR':>8}"
           f"{'draft s':>9}{'verify s':>10}{'replay s':>10}")
     base = rows[0][1].tokens_per_s
     for name, s in rows:
-        print(f"{name:<30}{s.new_tokens:>8}{s.tau:>8.2f}{s.tokens_per_s:>10.1f}"
+        print(f"{name:<32}{s.new_tokens:>8}{s.tau:>8.2f}{s.tokens_per_s:>10.1f}"
               f"{s.tokens_per_s / base:>7.2f}x{s.draft_s:>9.2f}{s.verify_s:>10.2f}{s.replay_s:>10.2f}")
+    if args.compile:
+        print("(suffix trees and auto have no fixed tree template: not compiled, rows left out)")
     same = all(len(t) == 1 for t in texts)
     print("\nall texts identical per prompt (lossless at temperature 0):", "YES" if same else "NO")
     return 0 if same else 1
+
+
+def _draft_for(drafter: str | None, draft):
+    """The draft model, or None for a tree that needs none (a suffix tree)."""
+    return None if drafter is not None and drafter.startswith("suffix:") else draft
 
 
 def _describe(model) -> str:

@@ -34,8 +34,9 @@ from torch import Tensor
 from stree import capture, native
 from stree.cache import SEQLEN_CHUNK
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
+from stree.draft.suffix_index import SuffixCache
 from stree.draft.base import commit_draft
-from stree.inputs import stop_ids, token_id, token_ids
+from stree.inputs import stop_ids, token_id, token_ids, vocab_size
 from stree.limits import cap_new_tokens, context_limit
 from stree.sampling import SamplingConfig, sample
 from stree.stats import GenerationStats, timed
@@ -74,12 +75,14 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
              top_k: int = 0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
              drafter: str | Drafter | None = None, verifier=None, method: str = "tree",
              generator: torch.Generator | None = None, streamer=None, pad_token_id: int | None = None,
-             max_seqlen: int | None = None, compile: bool = False) -> GenerationOutput:
+             max_seqlen: int | None = None, compile: bool = False,
+             suffix_cache: SuffixCache | None = None) -> GenerationOutput:
     """Generate with speculative tree decoding (or a baseline) from patched target/draft models.
 
     Args:
         target, draft: patched models (``stree.patch``) with the same vocabulary; ``draft`` may be
-            None for ``method="ar"`` / ``"ar-tree"``.
+            None for ``method="ar"`` / ``"ar-tree"`` and for drafters that need no draft model
+            (``"suffix:16"``; ``"auto"`` then picks among those).
         input_ids: ``(b, l)`` / ``(l,)`` integer tensor, a list of ints, or a list of 1-D prompts
             of different lengths.
         max_new_tokens: exact cap on new tokens per row (an accepted path is truncated). Nothing
@@ -89,8 +92,9 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         temperature, top_k, top_p: target sampling (``temperature == 0``: greedy).
         eos_token_id: a row stops after emitting it (or any of a list); ids in the vocabulary.
         drafter: a spec string (``"static:fig4a"``, ``"static:A"``..``"static:E"``, ``"beam:4x3"``,
-            ``"chain:4"``, see ``stree.draft.presets``) or a Drafter; default per method and
-            device (:func:`default_drafter`).
+            ``"chain:4"``, ``"suffix:16"``, ``"caterpillar:2,2,2+suffix:16"``, see
+            ``stree.draft.presets``) or a Drafter; default per method and device
+            (:func:`default_drafter`).
         verifier: "greedy" | "mss" | "naive" | "sps" | "asps" | "mss+asps" | a verifier object;
             None picks the lossless default for the sampling config and draft mode (``mss+asps``
             for ``drafter="auto"`` at T > 0: ASpS on its chains, MSS on its trees).
@@ -111,12 +115,17 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             methods "tree", "chain", "ar-tree"; with "ar", the model's own decoding step
             compiled on a static cache (``stree.hybrid`` models; :mod:`stree.native`). Where
             torch.compile is unavailable: a RuntimeWarning and eager steps.
+        suffix_cache: a :class:`stree.SuffixCache` of earlier outputs, shared by the calls it is
+            passed to: suffix-tree drafters (``"suffix:N"``, merged trees, ``"auto"``) also draft
+            from it, and each row's output is added to it at the end. Tied to the first
+            target's vocabulary size.
     Raises:
         TypeError: a target (or draft) that ``stree.patch`` has not patched, non-integer
             ``input_ids``, ``eos_token_id``, ``pad_token_id`` or ``top_k``, a ``generator`` that is
             no ``torch.Generator``, a ``streamer`` without ``put`` / ``end``.
         ValueError: unknown method or preset, a non-lossless drafter/verifier pair, a vocabulary
-            or device mismatch between target and draft (their dtypes may differ), an empty
+            or device mismatch between target and draft (their dtypes may differ), a
+            ``suffix_cache`` of another vocabulary, an empty
             prompt, token ids outside the vocabulary, a sequence that would not fit an explicit
             ``max_seqlen``, or a prompt that leaves no room within a model's context limit.
     """
@@ -131,9 +140,11 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
         raise TypeError(f"streamer must have put(tokens) and end() methods, got {type(streamer).__name__}")
     device = _device(target)
-    drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device)
+    drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device,
+                                suffix_cache=suffix_cache, draft_model=draft is not None)
     if drafter.uses_draft_model:
         _check_draft(target, draft, device)
+    drafter.prepare(target, draft if drafter.uses_draft_model else None, sampling)
     # every check of the request before anything runs or is allocated
     vocab = vocab_size(target)
     prompts = _as_prompts(input_ids, device, vocab)
@@ -154,8 +165,6 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     max_new_tokens = cap_new_tokens(longest, max_new_tokens, drafter.num_nodes, limits)
     seqlen = _seqlen(longest, max_new_tokens, drafter.num_nodes, max_seqlen,
                      min((n for n in limits.values() if n is not None), default=None))
-    if drafter.uses_draft_model:
-        drafter.prepare(target, draft, sampling)
 
     stats = GenerationStats(method, drafter=getattr(drafter, "name", type(drafter).__name__),
                             verifier=getattr(verifier, "name", type(verifier).__name__),
@@ -184,9 +193,11 @@ def _finish(prompts, new, stats, start: float, eos: set[int], pad_token_id) -> G
 
 
 def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: bool = False,
-            device=None):
+            device=None, *, suffix_cache: SuffixCache | None = None, draft_model: bool = True):
     """The (drafter with its draft mode fixed, verifier) pair ``generate`` will run on ``device``
-    (which picks the default drafter, :func:`default_drafter`).
+    (which picks the default drafter, :func:`default_drafter`). ``suffix_cache`` goes to the
+    suffix trees of a spec string; without a ``draft_model``, ``"auto"`` picks among drafters
+    that need none.
 
     With no verifier, the drafter's preferred mode and its default lossless verifier. With a
     verifier, top-k children where it is lossless with them (greedy sampling, naive), else the
@@ -198,8 +209,11 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
             raise ValueError(f"method {method!r} drafts and verifies nothing: leave drafter and verifier None")
         drafter = StaticTreeDrafter((-1,), mode="deterministic", name="none")
     else:
+        if suffix_cache is not None and not isinstance(drafter, (str, type(None))):
+            raise ValueError("suffix_cache goes with a drafter spec string; a Drafter object "
+                             "carries its own (stree.draft.ContextIndex(cache))")
         drafter = parse_drafter(drafter if drafter is not None else default_drafter(method, device),
-                                device)
+                                device, suffix_cache=suffix_cache, draft_model=draft_model)
     if method == "chain" and not isinstance(drafter, ChainDrafter):
         raise ValueError(f"method 'chain' needs a chain drafter ('chain:K'), got {drafter.name!r}")
     modes = drafter.modes(sampling)
@@ -248,11 +262,11 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
         stats.target_calls += 1
         # the step's one device read: accepted tokens, the next token and the path's last node
         # of every row
-        last = verdict.path.gather(1, verdict.num_accepted[:, None])
+        k = verdict.path.shape[1]
         read = torch.cat([d.tree.path_tokens(verdict.path)[:, 1:], verdict.next_token[:, None],
-                          last], dim=1).tolist()
-        accepted, next_tokens = [r[:-2] for r in read], [r[-2] for r in read]
-        last_nodes = [r[-1] for r in read]
+                          verdict.path], dim=1).tolist()
+        accepted, next_tokens = [r[:k - 1] for r in read], [r[k - 1] for r in read]
+        nodes = [r[k:] for r in read]
         # path nodes per row, from the tokens already on the host (no further device sync)
         counts = [0 if done[r] else 1 + sum(t >= 0 for t in toks) for r, toks in enumerate(accepted)]
         for r, (toks, nxt) in enumerate(zip(accepted, next_tokens)):
@@ -271,8 +285,9 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
         with timed(stats, "replay_s", device):
             side.commit(d.tree, path, counts)
         with timed(stats, "draft_s", device):
-            drafting.commit(d.tree, path, counts, last_nodes)
+            drafting.commit(d.tree, path, counts, nodes)
         roots = verdict.next_token
+    drafting.finish(new)
     if streamer is not None:
         streamer.end()
     return new
@@ -292,38 +307,81 @@ def _emit(row: list[int], tokens: list[int], max_new_tokens: int, eos: set[int],
 
 # ------------------------------------------------------------------------------- draft side
 class _DraftSide:
-    """The draft model and its cache, kept in step with the target's committed sequence."""
+    """The drafter, and the draft model with its cache, kept in step with the target's committed
+    sequence: the draft cache holds every committed token before the root, except a backlog of
+    tokens the draft never ran (accepted suffix-tree nodes, steps drafted without the model),
+    which is prefilled in one call when the model next drafts."""
 
     def __init__(self, model, drafter: Drafter, batch_size: int, max_seqlen: int,
                  stats: GenerationStats):
         self.model, self.drafter, self.stats = model, drafter, stats
         self.cache = None if model is None else model.allocate_tree_cache(batch_size, max_seqlen)
+        self.backlog: list[list[int]] = [[] for _ in range(batch_size)]
 
     def prefill(self, prompts: list[Tensor]) -> None:
         if self.model is not None:
             _prefill(self.model, self.cache, prompts)
+        if self.drafter.reads_context:
+            self.drafter.start([p.tolist() for p in prompts])
 
     def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
+        if self.model is not None and any(self.backlog) and self.drafter.wants_draft_model(roots):
+            self._catch_up()
         d = self.drafter.draft(self.model, self.cache, roots, sampling, generator)
         self.stats.draft_calls += self.drafter.draft_runs  # a dynamic drafter's: per draft
         return d
 
-    def commit(self, tree: TokenTree, path: Tensor, counts: list[int], last_nodes: list[int]) -> None:
+    def commit(self, tree: TokenTree, path: Tensor, counts: list[int], nodes: list[list[int]]) -> None:
         """Advance the draft along the target's accepted ``path`` (b, k), -1 padded, of
-        ``counts[r]`` nodes per row ending at node ``last_nodes[r]`` (host-side, so no device
-        sync)."""
+        ``counts[r]`` nodes per row, ``nodes`` its host copy (no device sync)."""
         self.drafter.observe(tree, path)
         if self.model is None:
             return
-        if commit_draft(self.model, self.cache, tree, path, counts, last_nodes, self.drafter.ran):
+        ran = self.drafter.ran
+        if not self.drafter.reads_context:  # a draft model's tree: the draft ran all of the path
+            last_nodes = [row[c - 1] if c else -1 for row, c in zip(nodes, counts)]
+            if commit_draft(self.model, self.cache, tree, path, counts, last_nodes, ran):
+                return
+            # A tree_forward-only draft model whose path reaches the never-run deepest layer:
+            # run the path as a chain.
+            chain = TokenTree.chain(tree.path_tokens(path).clamp(min=0))  # padding: never committed
+            self.model.tree_forward(chain, self.cache)
+            self.stats.draft_calls += 1
+            steps = torch.arange(path.shape[1], device=path.device).expand_as(path)
+            self.cache.commit(torch.where(path >= 0, steps, -1), counts)
             return
-        # A tree_forward-only draft model whose path reaches the never-run deepest layer: run
-        # the path as a chain.
-        chain = TokenTree.chain(tree.path_tokens(path).clamp(min=0))  # padding: never committed
-        self.model.tree_forward(chain, self.cache)
+        # Suffix and merged trees: commit the part of each row's path the draft ran, keep the
+        # rest for the next catch-up.
+        runs = [next((j for j, u in enumerate(row[:c]) if not ran(u)), c) for row, c in zip(nodes, counts)]
+        if any(runs):
+            cols = torch.arange(path.shape[1], device=path.device)
+            inside = cols[None, :] < torch.tensor(runs, device=path.device)[:, None]
+            commit_draft(self.model, self.cache, tree, path.masked_fill(~inside, -1), runs,
+                         [row[j - 1] if j else -1 for row, j in zip(nodes, runs)], ran)
+        if any(j < c for j, c in zip(runs, counts)):
+            tokens = tree.path_tokens(path).tolist()
+            for r, (j, c) in enumerate(zip(runs, counts)):
+                self.backlog[r].extend(tokens[r][j:c])
+
+    def _catch_up(self) -> None:
+        """Prefill every row's backlog (the tokens committed since the draft last ran)."""
+        rows = self.backlog
+        device = self.cache.lengths.device
+        if len({len(r) for r in rows}) == 1:
+            self.model.prefill(torch.tensor(rows, device=device), self.cache)
+        else:
+            self.cache.reserve([len(r) for r in rows])  # grow once, before the row views
+            for b, r in enumerate(rows):
+                if r:
+                    row = self.cache.row(b)
+                    self.model.prefill(torch.tensor([r], device=device), row)
+                    self.cache.seqlens[b] = row.seqlens[0]
         self.stats.draft_calls += 1
-        steps = torch.arange(path.shape[1], device=path.device).expand_as(path)
-        self.cache.commit(torch.where(path >= 0, steps, -1), counts)
+        self.backlog = [[] for _ in rows]
+
+    def finish(self, outputs: list[list[int]]) -> None:
+        if self.drafter.reads_context:
+            self.drafter.finish(outputs)
 
 
 # ------------------------------------------------------------------------------ target sides
@@ -426,15 +484,6 @@ def _accepts(verifier, mode: str, sampling: SamplingConfig) -> bool:
     except ValueError:
         return False
     return True
-
-
-def vocab_size(model) -> int | None:
-    """Width of the model's logits: its LM head's rows, else a ``vocab_size`` attribute."""
-    head = getattr(model, "lm_head", None)
-    if head is not None and getattr(head, "weight", None) is not None:
-        return int(head.weight.shape[0])
-    v = getattr(model, "vocab_size", None)
-    return None if v is None else int(v)
 
 
 def _check_draft(target, draft, device: torch.device) -> None:

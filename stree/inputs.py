@@ -90,3 +90,12 @@ def _is_int(value) -> bool:
 
 def _iterable(value) -> bool:
     return not isinstance(value, (str, bytes)) and hasattr(value, "__iter__")
+
+
+def vocab_size(model) -> int | None:
+    """Width of the model's logits: its LM head's rows, else a ``vocab_size`` attribute."""
+    head = getattr(model, "lm_head", None)
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    v = getattr(model, "vocab_size", None)
+    return None if v is None else int(v)

@@ -44,11 +44,13 @@ class FakeCache:
     def row(self, b: int) -> "FakeCache":
         return FakeCache(1, self.max_seqlen, self.tokens[b:b + 1], self.lengths[b:b + 1])
 
-    def reserve(self, new_tokens: int) -> None:
-        """Like ``TreeCache.reserve``, without growth (the fake's token table is small)."""
-        if max(self.seqlens) + new_tokens > self.max_seqlen:
-            raise ValueError(f"sequence length {max(self.seqlens) + new_tokens} exceeds max_seqlen "
-                             f"{self.max_seqlen}")
+    def reserve(self, new_tokens: int | list[int]) -> None:
+        """Like ``TreeCache.reserve`` (one count for every row, or one per row), without growth
+        (the fake's token table is small)."""
+        counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * self.batch_size
+        need = max(n + c for n, c in zip(self.seqlens, counts))
+        if need > self.max_seqlen:
+            raise ValueError(f"sequence length {need} exceeds max_seqlen {self.max_seqlen}")
 
     def committed(self, b: int) -> list[int]:
         return self.tokens[b, :int(self.lengths[b])].tolist()

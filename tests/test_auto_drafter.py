@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from stree.costmodel import ForwardCost, forward_cost
 from stree.draft import parse_drafter
-from stree.draft.auto import (CPU_CANDIDATES, DEFAULT_CANDIDATES, AcceptanceProfile, AutoDrafter,
+from stree.draft.auto import (SUFFIX_CANDIDATES, CPU_CANDIDATES, DEFAULT_CANDIDATES, AcceptanceProfile, AutoDrafter,
                               AutoMemory, Ratio, best_tree, expected_tau, forget, level_widths)
 from stree.generation import default_drafter, generate, resolve
 from stree.sampling import SamplingConfig
@@ -195,6 +195,7 @@ def test_draft_times_the_wall_clock_between_consecutive_calls():
 
     class Stub:  # stands in for the chosen chain:2: its shape, mode and draft() are all auto reads
         parents, mode = (-1, 0, 1), "chain"
+        uses_draft_model, reads_context = True, False
 
         def draft(self, *args):
             return "draft"
@@ -363,16 +364,20 @@ def test_compile_refuses_auto_with_dynamic_candidates():
 
 def test_auto_candidates_follow_the_device():
     """Off CUDA auto picks among shapes whose draft runs one node per level (a level of w nodes
-    costs w draft steps there); on CUDA among every default candidate, wide trees included."""
+    costs w draft steps there); on CUDA among every default candidate, wide trees included;
+    then suffix trees alone and merged with the draft's; without a draft model, suffix trees."""
     cpu, gpu = parse_drafter("auto", "cpu"), parse_drafter("auto", torch.device("cuda"))
-    assert gpu.candidates == DEFAULT_CANDIDATES and cpu.candidates == CPU_CANDIDATES
-    assert set(cpu.candidates) < set(gpu.candidates)
-    for spec in cpu.candidates:
+    assert cpu.candidates == CPU_CANDIDATES + SUFFIX_CANDIDATES["cpu"]
+    assert gpu.candidates == DEFAULT_CANDIDATES + SUFFIX_CANDIDATES["cuda"]
+    assert set(CPU_CANDIDATES) < set(DEFAULT_CANDIDATES)
+    for spec in CPU_CANDIDATES:
         assert all(w == 1 for w in level_widths(parse_drafter(spec).parents)), spec
     assert any(w > 1 for spec in gpu.candidates if getattr(parse_drafter(spec), "parents", None)
                for w in level_widths(parse_drafter(spec).parents))
     drafter, _ = resolve("tree", "auto", None, SamplingConfig(), device="cpu")
-    assert drafter.candidates == CPU_CANDIDATES
+    assert drafter.candidates == cpu.candidates and drafter.uses_draft_model
+    alone, _ = resolve("tree", "auto", None, SamplingConfig(), device="cpu", draft_model=False)
+    assert alone.candidates == ("suffix:16",) and not alone.uses_draft_model
     # each starts from the device's default tree
     assert cpu.candidates[0] == default_drafter("tree", "cpu")
     assert gpu.candidates[0] == default_drafter("tree", "cuda")

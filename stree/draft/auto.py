@@ -75,7 +75,9 @@ import torch
 from torch import Tensor
 
 from stree.costmodel import ForwardCost, forward_cost
-from stree.draft.base import Drafter
+from stree.draft.base import SAMPLED_MODES, Drafter
+from stree.draft.merged import MergedDrafter, all_chosen
+from stree.draft.suffix import ContextIndex, SuffixDrafter
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree, level_runs
@@ -87,18 +89,29 @@ DEFAULT_CANDIDATES = ("static:fig4a", "chain:1", "chain:2", "chain:3", "chain:4"
 # Off a GPU every node a draft level runs costs a draft step, so only shapes that draft one node
 # per level pay (docs/benchmarks.md), and every extra candidate costs exploration: on the shipped
 # pair (CPU, commit e1408cf) auto over the 18 GPU candidates it had then ran 3-7% slower than over 5
-# of these, side by side.
-CPU_CANDIDATES = ("caterpillar:2,2,2", "chain:4", "caterpillar:2,2,2,2", "caterpillar:2,2,2,2,2", "chain:2",
-                  "chain:6")
+# of these, side by side; with the suffix trees beside them, over 9 candidates 1.57x the model's
+# own decoding against 1.76x over 3 (10 HumanEval prompts, one run), so three model trees remain.
+CPU_CANDIDATES = ("caterpillar:2,2,2", "chain:4", "caterpillar:2,2,2,2")
 
 
-def default_candidates(device=None) -> tuple[str, ...]:
+# Trees that need no draft model (suffix trees, ``suffix.py``) and their merges with the draft's
+# (``merged.py``): a step drafts with the model only where that is predicted to pay.
+SUFFIX_CANDIDATES = {"cuda": ("suffix:32", "static:fig4a+suffix:32", "chain:4+suffix:32"),
+                     "cpu": ("suffix:16", "caterpillar:2,2,2,2+suffix:16")}
+
+
+def default_candidates(device=None, draft_model: bool = True) -> tuple[str, ...]:
     """The candidates ``"auto"`` picks among on ``device``: on CUDA, where a level or a verify of
     many nodes costs about one, chains, static presets, caterpillars and DySpec budgets
-    (:data:`DEFAULT_CANDIDATES`); elsewhere chains and caterpillars (:data:`CPU_CANDIDATES`).
-    Each starts with the device's default tree (``stree.default_drafter``), where auto
-    starts."""
-    return DEFAULT_CANDIDATES if torch.device(device or "cpu").type == "cuda" else CPU_CANDIDATES
+    (:data:`DEFAULT_CANDIDATES`); elsewhere chains and caterpillars (:data:`CPU_CANDIDATES`);
+    then suffix trees alone and merged with the draft's (:data:`SUFFIX_CANDIDATES`). Each
+    starts with the device's default tree (``stree.default_drafter``), where auto starts.
+    Without a draft model: the suffix trees alone."""
+    cuda = torch.device(device or "cpu").type == "cuda"
+    suffix = SUFFIX_CANDIDATES["cuda" if cuda else "cpu"]
+    if not draft_model:
+        return tuple(c for c in suffix if "+" not in c)
+    return (DEFAULT_CANDIDATES if cuda else CPU_CANDIDATES) + suffix
 
 
 @dataclass
@@ -208,7 +221,8 @@ class AutoMemory:
     ``profile`` pools every verdict; ``by_mode`` (T > 0 only) holds each draft mode's own;
     ``taus`` / ``times``: per candidate spec, its accepted tokens per row-step and its whole
     step's seconds against the model's; ``scale``: step seconds against the model's over all
-    candidates; ``current``: the candidate running now; ``steps``: verified steps seen.
+    candidates; ``suffix``: drafted tokens accepted from suffix trees against their scores;
+    ``current``: the candidate running now; ``steps``: verified steps seen.
     """
 
     profile: AcceptanceProfile = field(default_factory=AcceptanceProfile)
@@ -216,6 +230,7 @@ class AutoMemory:
     taus: dict[str, Ratio] = field(default_factory=dict)
     times: dict[str, Ratio] = field(default_factory=dict)
     scale: Ratio = field(default_factory=Ratio)
+    suffix: Ratio = field(default_factory=Ratio)
     current: str | None = None
     steps: int = 0
 
@@ -305,21 +320,29 @@ class AutoDrafter(Drafter):
     optimism: float = 0.2
     by_mode: bool = False  # one profile per draft mode (set by prepare at T > 0)
     remember: bool = True
+    index: "ContextIndex | None" = None
     clock: Callable[[], float] = time.perf_counter
     name: str = field(init=False, default="auto")
     _drafters: dict = field(init=False, repr=False)
     _shapes: dict = field(init=False, repr=False)  # spec -> (parents, level widths), fixed shapes
     _step_start: float | None = field(init=False, default=None)
     _step_model: tuple[float, float] | None = field(init=False, default=None)  # (tau, s) now
+    # tokens the draft model has not run (the loop's backlog, max over rows), and this step's
+    # choice once made (by wants_draft_model or draft)
+    _lag: int = field(init=False, default=0)
+    _planned: str | None = field(init=False, default=None)
 
     def __post_init__(self):
         from stree.draft.presets import parse_drafter
 
         if not self.candidates:
             raise ValueError("auto drafter needs at least one candidate")
-        self._drafters = {spec: parse_drafter(spec) for spec in self.candidates}
+        self.index = self.index if self.index is not None else ContextIndex()
+        self._drafters = {spec: parse_drafter(spec, index=self.index) for spec in self.candidates}
         self._shapes = {spec: (d.parents, level_widths(d.parents))
-                        for spec, d in self._drafters.items() if getattr(d, "parents", None)}
+                        for spec, d in ((spec, _model_part(d)) for spec, d in self._drafters.items())
+                        if getattr(d, "parents", None)}
+        self._lag, self._planned = 0, None
 
     # --------------------------------------------------------------------------------- shape
     @property
@@ -360,12 +383,16 @@ class AutoDrafter(Drafter):
 
     @property
     def uses_draft_model(self) -> bool:
-        return True
+        return any(d.uses_draft_model for d in self._drafters.values())
+
+    @property
+    def reads_context(self) -> bool:
+        return any(d.reads_context for d in self._drafters.values())
 
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         if self.mode is not None:
             return (self.mode,)
-        if sampling.is_greedy:
+        if sampling.is_greedy or not self.uses_draft_model:  # suffix trees are chosen, not drawn
             return ("deterministic",)
         return ("without_replacement", "deterministic")
 
@@ -382,14 +409,22 @@ class AutoDrafter(Drafter):
     # ------------------------------------------------------------------------------ decision
     def prepare(self, target, draft, sampling: SamplingConfig) -> None:
         self._step_start = None  # a new generation: the time since the last step is not a step
+        self._lag, self._planned = 0, None
         self.by_mode = not sampling.is_greedy
+        self.index.bind(target)
         if self.remember:
             key = (self.candidates, self.mode, sampling)
-            self.memory = _remembered(target, draft, key, self.memory)
+            self.memory = _remembered(target, draft if draft is not None else target, key, self.memory)
         if self.target_cost is None:
             self.target_cost = forward_cost(target)
-        if self.draft_cost is None:
+        if self.draft_cost is None and draft is not None:
             self.draft_cost = forward_cost(draft)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.index.start(prompts)
+
+    def finish(self, outputs: list[list[int]]) -> None:
+        self.index.finish(outputs)
 
     def predict(self, spec: str, p: list[float] | None = None) -> tuple[float, float]:
         """(predicted tau, predicted seconds per step) of a candidate: the model's, each times
@@ -403,19 +438,44 @@ class AutoDrafter(Drafter):
                 seconds * mem.times.get(spec, Ratio()).value(scale, w))
 
     def model(self, spec: str, p: list[float] | None = None) -> tuple[float, float]:
-        """(tau, seconds per step) of a candidate by the profile and the cost model alone."""
-        if self.target_cost is None or self.draft_cost is None:
+        """(tau, seconds per step) of a candidate by the profile, this step's suffix trees and
+        the cost model alone.
+
+        A suffix tree's tau is one plus its score (the sum of its nodes' count probabilities,
+        averaged over rows) times the fraction of scores that suffix trees have turned into
+        accepted tokens so far (counts overrate a continuation seen once or twice: on the
+        shipped pair about 0.3-0.5; prior 0.5 for ``prior_steps`` steps); it costs a verify of
+        its size and no draft call. A draft model's
+        tree also pays for bringing the draft up to the tokens it has not run (a prefill of
+        the backlog). A merged tree is predicted as ``1 + max(a, s) + min(a, s) / 2`` (``a``,
+        ``s``: the draft tree's and the suffix tree's expected accepted tokens; they overlap
+        where the draft agrees with the text), corrected like every prediction by the
+        candidate's measured ratio (:meth:`predict`)."""
+        d = self._drafters[spec]
+        if self.target_cost is None or (self.draft_cost is None and d.uses_draft_model):
             raise ValueError("auto drafter has no cost model: call prepare(target, draft, sampling) or "
                              "pass target_cost and draft_cost")
-        d = self._drafters[spec]
-        p = self.rank_probs(d.mode) if p is None else p
+        suffix = _suffix_part(d)
+        if suffix is not None:
+            specs = self.index.speculate(suffix.config)
+            score = self.memory.suffix.value(0.5, self.prior_steps) * sum(t.score for t in specs) / len(specs)
+            extra = max(len(t) for t in specs)
+            if not d.uses_draft_model:
+                return 1.0 + score, self.target_cost(1 + extra)
+        base = _model_part(d)
+        p = self.rank_probs(base.mode) if p is None else p
         shape = self._shapes.get(spec)
         if shape is None:  # a dynamic budget: the best tree of its size under the profile
-            parents = best_tree(d.num_nodes - 1, p)
+            parents = best_tree(base.num_nodes - 1, p)
             shape = parents, level_widths(parents)
         parents, widths = shape
-        seconds = self.target_cost(len(parents)) + sum(self.draft_cost(n) for n in widths)
-        return expected_tau(parents, p), seconds
+        draft_s = sum(self.draft_cost(n) for n in widths) + (self.draft_cost(self._lag) if self._lag else 0.0)
+        tau = expected_tau(parents, p)
+        if suffix is None:
+            return tau, self.target_cost(len(parents)) + draft_s
+        a = tau - 1.0
+        return (1.0 + max(a, score) + min(a, score) / 2,
+                self.target_cost(len(parents) + extra) + draft_s)
 
     def rank_probs(self, mode: str) -> list[list[float]]:
         """``p[d][k]`` for children drafted in ``mode``: the pooled profile's, or with
@@ -436,9 +496,10 @@ class AutoDrafter(Drafter):
             return firsts[self.memory.steps // self.warmup]
         rate, probs = {}, {}
         for spec, d in self._drafters.items():
-            if d.mode not in probs:
-                probs[d.mode] = self.rank_probs(d.mode)
-            tau, seconds = self.predict(spec, probs[d.mode])
+            mode = _model_part(d).mode
+            if d.uses_draft_model and mode not in probs:
+                probs[mode] = self.rank_probs(mode)
+            tau, seconds = self.predict(spec, probs.get(mode))
             steps = self.memory.times.get(spec, Ratio()).n
             rate[spec] = tau / seconds * (1 + self.optimism / (1 + steps) ** 0.5)
         best = max(rate, key=rate.get)
@@ -448,38 +509,84 @@ class AutoDrafter(Drafter):
         return best
 
     def _warmup_order(self) -> list[str]:
-        """The first candidate of each profile's draft mode (one profile unless ``by_mode``)."""
+        """The first draft-model candidate of each profile's draft mode (one profile unless
+        ``by_mode``); suffix trees are predicted from their own counts and need none."""
         firsts: dict = {}
         for spec, d in self._drafters.items():
-            firsts.setdefault(d.mode if self.by_mode else None, spec)
+            if d.uses_draft_model:
+                firsts.setdefault(_model_part(d).mode if self.by_mode else None, spec)
         return list(firsts.values())
 
     # ---------------------------------------------------------------------------- decoding
-    def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
-              generator: torch.Generator | None = None) -> Draft:
+    def wants_draft_model(self, roots: Tensor) -> bool:
+        return self._drafters[self._plan(roots)].uses_draft_model
+
+    def _plan(self, roots: Tensor) -> str:
+        """This step's candidate, chosen once (the loop asks before drafting whether the draft
+        model runs, to bring it up to date first)."""
+        if self._planned is not None:
+            return self._planned
         now, mem = self.clock(), self.memory
         if self._step_start is not None and self._step_model is not None:
             mem.scale.add(now - self._step_start, self._step_model[1], mem.profile.decay)
             mem.times.setdefault(mem.current, Ratio()).add(
                 now - self._step_start, self._step_model[1], mem.profile.decay)
         self._step_start = now
+        if self.reads_context:
+            self.index.root(roots.tolist())
         mem.current = self.choose()
         self._step_model = self.model(mem.current)
-        return self.chosen.draft(model, cache, roots, sampling, generator)
+        self._planned = mem.current
+        return mem.current
+
+    def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
+              generator: torch.Generator | None = None) -> Draft:
+        d = self._drafters[self._plan(roots)]
+        self._planned = None
+        out = d.draft(model, cache, roots, sampling, generator)
+        if d.uses_draft_model:
+            self._lag = 0  # the loop caught the draft up before this draft
+        if self.mode in SAMPLED_MODES and out.mode == "deterministic":
+            out = all_chosen(out, self.mode)  # a suffix tree; one verifier for all: MSS, as naive
+        return out
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         mem = self.memory
         mem.steps += 1
         paths = path.tolist()  # the step's one read of the verdicts, for every count below
-        pooled = mem.profile
-        counts = rank_counts(tree, paths, pooled.max_rank, pooled.max_depth)  # for both profiles
-        pooled.add(*counts)
-        if self.by_mode:  # each mode's own profile decays only with its own steps
-            mem.by_mode.setdefault(self.chosen.mode, AcceptanceProfile(
-                pooled.max_rank, pooled.max_depth, pooled.decay, pooled.prior_weight)).add(*counts)
+        d = self.chosen
+        if d.uses_draft_model:  # the draft's acceptance profile, from its own tree's nodes
+            own_tree, own_paths = d.base_view(path) if isinstance(d, MergedDrafter) else (tree, paths)
+            pooled = mem.profile
+            counts = rank_counts(own_tree, own_paths, pooled.max_rank, pooled.max_depth)
+            pooled.add(*counts)
+            if self.by_mode:  # each mode's own profile decays only with its own steps
+                mem.by_mode.setdefault(_model_part(d).mode, AcceptanceProfile(
+                    pooled.max_rank, pooled.max_depth, pooled.decay, pooled.prior_weight)).add(*counts)
+        live = [p for p in paths if p[0] >= 0]
+        accepted = sum(u >= 0 for p in live for u in p)
         if self._step_model is not None:  # the measured tau follows drift like the profile
-            live = [p for p in paths if p[0] >= 0]
-            accepted = sum(u >= 0 for p in live for u in p)
             mem.taus.setdefault(mem.current, Ratio()).add(
                 accepted, len(live) * self._step_model[0], mem.profile.decay, len(live))
-        self.chosen.observe(tree, path)
+        if isinstance(d, SuffixDrafter) and live:  # what the suffix trees' scores turn into
+            scores = sum(t.score for t, p in zip(self.index.speculate(d.config), paths) if p[0] >= 0)
+            mem.suffix.add(accepted - len(live), scores, mem.profile.decay, len(live))
+        # the loop's backlog: path nodes the draft did not run
+        unrun = max((sum(u >= 0 for u in p) - next((j for j, u in enumerate(p) if u < 0 or not d.ran(u)), len(p))
+                     for p in paths if p[0] >= 0), default=0)
+        self._lag = (0 if d.uses_draft_model else self._lag) + unrun
+        if self.reads_context:
+            self.index.observe(tree, path)
+        if isinstance(d, MergedDrafter):
+            d.base.observe(*d.base_view(path))
+        elif not d.reads_context:
+            d.observe(tree, path)
+
+
+def _model_part(d: Drafter) -> Drafter:
+    """The draft-model drafter of a candidate (a merged tree's base)."""
+    return d.base if isinstance(d, MergedDrafter) else d
+
+
+def _suffix_part(d: Drafter) -> SuffixDrafter | None:
+    return d.suffix if isinstance(d, MergedDrafter) else d if isinstance(d, SuffixDrafter) else None

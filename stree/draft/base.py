@@ -97,14 +97,33 @@ class Drafter(ABC):
             raise ValueError(f"{type(self).__name__} only drafts {self.mode!r} trees, not {mode!r}")
         return self
 
+    @property
+    def reads_context(self) -> bool:
+        """Whether it drafts from the rows' text (a suffix tree): the loop then hands it the
+        prompts (:meth:`start`) and the outputs (:meth:`finish`)."""
+        return False
+
+    def wants_draft_model(self, roots: Tensor) -> bool:
+        """Whether the next :meth:`draft` (of ``roots (b,)``) runs the draft model, so that the
+        loop first brings the draft's cache up to the committed tokens (a drafter that picks per
+        step, like ``auto``, decides here for that draft)."""
+        return self.uses_draft_model
+
     def prepare(self, target, draft, sampling: SamplingConfig) -> None:
-        """Called once by ``generate`` before decoding with the patched target and draft models
-        and the sampling setting (a drafter that measures them, like ``auto``, does it here)."""
+        """Called once by ``generate`` before anything runs with the patched target, the draft
+        model (None when the drafter needs none) and the sampling setting (a drafter that
+        measures them, like ``auto``, does it here; one that refuses them raises here)."""
+
+    def start(self, prompts: list[list[int]]) -> None:
+        """The rows' prompts, before the first draft (drafters that :attr:`reads_context`)."""
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         """Feedback after verification: ``path (b, k)`` the accepted node indices of ``tree``
         (root first, -1 padded; rows that finished are all -1). Drafters that tune themselves
-        online from the acceptance history override it."""
+        online from the acceptance history, or read the rows' text, override it."""
+
+    def finish(self, outputs: list[list[int]]) -> None:
+        """Each row's new tokens once decoding ends (drafters that :attr:`reads_context`)."""
 
     @abstractmethod
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,

@@ -10,6 +10,10 @@ chain; :func:`stree.tree.parents_caterpillar`), any static form with a ``":MODE"
 ``"dyspec-paper:..."``, without the online calibration),
 ``"dyspec-threshold:T[:N[:D]]"``, ``"dynatree:DxB:N[:TAU]"``, ``"dynatree2[:N]"``; ``"auto"``
 picks among chains, static presets and DySpec budgets by predicted tokens/s (``auto.py``).
+Trees with no draft model (``suffix.py``): ``"suffix:N"`` (at most N drafted nodes) with optional
+``":key=value,..."`` options of :class:`~stree.draft.suffix_index.SpeculationConfig` (``depth``,
+``min_prob``, ``factor``, ``offset``), e.g. ``"suffix:16:min_prob=0.2,factor=2"``; a draft model's
+tree merged with one (``merged.py``): ``"caterpillar:2,2,2+suffix:16"``.
 
 The paper gives the static trees only as images (Fig. 4a, appendix Fig. 5) and Table 3's numbers
 (max width, depth below the root, tokens with the root). The shapes chosen here match those numbers
@@ -38,7 +42,10 @@ from stree.draft.calibration import AcceptanceCalibration
 from stree.draft.chain import ChainDrafter
 from stree.draft.dynatree import DynaTree2Drafter, DynaTreeDrafter
 from stree.draft.dyspec import DySpecDrafter
+from stree.draft.merged import MergedDrafter
 from stree.draft.static import StaticTreeDrafter
+from stree.draft.suffix import ContextIndex, SuffixDrafter
+from stree.draft.suffix_index import SpeculationConfig, SuffixCache
 from stree.tree import parents_caterpillar
 
 STATIC_TREES: dict[str, tuple[int, ...]] = {
@@ -52,21 +59,33 @@ STATIC_TREES: dict[str, tuple[int, ...]] = {
 
 _MODES = ("deterministic", "iid", "without_replacement")
 _HELP = ("expected 'chain:K', 'static:NAME', 'static:W1,W2,...' or 'caterpillar:C1,C2,...' "
-         "(optionally ':MODE'), "
+         "(optionally ':MODE'), 'suffix:N[:key=value,...]', 'MODEL_TREE+suffix:N', "
          "'beam:NxM', 'dyspec[-paper]:N[:D[:VT]]', 'dyspec-threshold:T[:N[:D]]', 'dynatree:DxB:N[:TAU]', "
          f"'dynatree2[:N]', 'auto', or a bare static name; NAME in {sorted(STATIC_TREES)}, "
          f"MODE in {list(_MODES)}")
 _NUM = r"(\d+(?:\.\d*)?(?:e-?\d+)?)"
+_SUFFIX_OPTIONS = {"depth": int, "min_prob": float, "factor": float, "offset": float}
+_SUFFIX_HELP = ("expected 'suffix:N' (N >= 1 drafted nodes) or 'suffix:N:key=value,...' with keys "
+                f"{sorted(_SUFFIX_OPTIONS)}")
 
 
-def parse_drafter(spec: str | Drafter, device=None) -> Drafter:
+def parse_drafter(spec: str | Drafter, device=None, *, suffix_cache: SuffixCache | None = None,
+                  draft_model: bool = True, index: ContextIndex | None = None) -> Drafter:
     """A drafter from a spec string (see the module docstring); a Drafter is returned as is.
-    ``device``: where it will run (``"auto"``'s candidates depend on it)."""
+    ``device``: where it will run (``"auto"``'s candidates depend on it); ``suffix_cache``: the
+    earlier outputs its suffix trees also read; ``draft_model``: whether a draft model is given
+    (without one ``"auto"`` picks among suffix trees); ``index``: the per-request suffix index to
+    share (one is made per call otherwise, shared by every suffix tree the spec holds)."""
     if isinstance(spec, Drafter):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"drafter must be a spec string or a Drafter, got {type(spec).__name__}")
+    index = index or ContextIndex(suffix_cache)
+    if "+" in spec:
+        return _merged(spec, device, index)
     kind, _, rest = spec.strip().partition(":")
+    if kind == "suffix":
+        return SuffixDrafter(suffix_config(rest, spec), index, name=spec.strip())
     if not rest and kind in STATIC_TREES:
         kind, rest = "static", kind
     if kind == "chain" and re.fullmatch(r"\d+", rest):
@@ -85,7 +104,7 @@ def parse_drafter(spec: str | Drafter, device=None) -> Drafter:
     if kind == "auto" and not rest:
         from stree.draft.auto import AutoDrafter, default_candidates  # parses its candidates here
 
-        return AutoDrafter(default_candidates(device))
+        return AutoDrafter(default_candidates(device, draft_model), index=index)
     if kind == "dynatree2" and (m := re.fullmatch(r"(\d*)", rest)):
         return DynaTree2Drafter(int(m[1] or 32))
     if kind in ("static", "caterpillar") and rest:
@@ -105,3 +124,35 @@ def parse_drafter(spec: str | Drafter, device=None) -> Drafter:
             raise ValueError(f"unknown static tree {shape!r} in drafter spec {spec!r}; {_HELP}")
         return StaticTreeDrafter.from_widths(widths, mode=mode or None, name=f"static:{shape}")
     raise ValueError(f"unknown drafter spec {spec!r}; {_HELP}")
+
+
+def suffix_config(rest: str, spec: str) -> SpeculationConfig:
+    """The :class:`SpeculationConfig` of ``"suffix:" + rest``; ValueError naming the problem."""
+    size, _, options = rest.partition(":")
+    if not re.fullmatch(r"\d+", size) or int(size) < 1:
+        raise ValueError(f"bad tree size {size!r} in drafter spec {spec!r}; {_SUFFIX_HELP}")
+    values: dict = {"nodes": int(size), "depth": int(size)}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in _SUFFIX_OPTIONS or not eq:
+            raise ValueError(f"unknown suffix option {item!r} in drafter spec {spec!r}; {_SUFFIX_HELP}")
+        try:
+            values[key] = _SUFFIX_OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"suffix option {key} needs a number, got {value!r} in {spec!r}") from None
+    try:
+        return SpeculationConfig(**values)
+    except ValueError as err:
+        raise ValueError(f"{err} (drafter spec {spec!r})") from None
+
+
+def _merged(spec: str, device, index: ContextIndex) -> Drafter:
+    parts = [p.strip() for p in spec.split("+")]
+    suffixes = [p for p in parts if p.startswith("suffix:")]
+    models = [p for p in parts if not p.startswith("suffix:")]
+    if len(parts) != 2 or len(suffixes) != 1 or models[0] == "auto":
+        raise ValueError(f"a merged drafter is one draft model's tree and one suffix tree, as in "
+                         f"'caterpillar:2,2,2+suffix:16'; got {spec!r}")
+    base = parse_drafter(models[0], device)
+    suffix = parse_drafter(suffixes[0], device, index=index)
+    return MergedDrafter(base, suffix, name=f"{models[0]}+{suffixes[0]}")

@@ -56,12 +56,16 @@ class NodeStep:
     q: (b, v) float32 draft distribution at the node, or None.
     child_tokens: (b, c) int64 children's tokens in draft order (0 where ``child_valid`` is False).
     child_valid: (b, c) bool, True for real children (a prefix of each row).
+    child_fixed, child_drawn: (b, c) bool, a merged draft's ``Draft.fixed`` / ``Draft.drawn`` of
+        each child, else None.
     """
 
     logits: Tensor
     q: Tensor | None
     child_tokens: Tensor
     child_valid: Tensor
+    child_fixed: Tensor | None = None
+    child_drawn: Tensor | None = None
 
 
 # A node rule returns (slot (b,) int64: accepted child's column, -1 if none; token (b,) int64:
@@ -148,12 +152,18 @@ def walk(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
         kids = at(table)                                                        # (b, m, c)
         m = kids.shape[1]
         valid = kids >= 0
+        flat = kids.clamp_min(0).flatten(1)
+
+        def of_children(t):
+            return None if t is None else t.to(device).gather(1, flat).view(b * m, -1)
+
         step = NodeStep(
             logits=at(target_logits).reshape(b * m, v).float(),
             q=None if draft.q is None else at(draft.q).reshape(b * m, v).float(),
-            child_tokens=tokens.gather(1, kids.clamp_min(0).flatten(1)).view(b * m, -1)
-            .masked_fill(~valid.view(b * m, -1), 0),
+            child_tokens=of_children(tokens).masked_fill(~valid.view(b * m, -1), 0),
             child_valid=valid.view(b * m, -1),
+            child_fixed=of_children(draft.fixed),
+            child_drawn=of_children(draft.drawn),
         )
         return tuple(t.view(b, m) for t in rule(step))
 

@@ -8,7 +8,8 @@ At node u with target p and draft q, children tested in draft order:
     nothing accepted: emit a sample of R (at a leaf R = p, the bonus token).
 The with-replacement update is lossless iff the children are i.i.d. draws from q ("iid", "chain");
 the without-replacement one (DySpec Alg. 3 / Sequoia / SpecExec) iff they were drawn sequentially
-without replacement ("without_replacement"). Neither is lossless for chosen ("deterministic")
+without replacement ("without_replacement"). A merged draft (``Draft.fixed``: chosen suffix-tree
+children beside the draws) goes through :func:`mixed_rule`. Neither is lossless for chosen ("deterministic")
 children at temperature > 0, which ``check`` refuses. A child the current q gives probability 0
 cannot have been drawn from it: it is skipped, R and q unchanged. Such children are copies of a
 rejected sibling (a dynamic drafter's padding, see ``stree.draft.dynamic``) or draws past q's
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig, sample_from, target_probs
-from stree.verify.base import NodeStep, Verdict, validate, walk
+from stree.verify.base import NodeStep, Verdict, first_match, validate, walk
 from stree.verify.greedy import greedy_verdict
 
 # Below this total variation (R - q)+ is treated as empty. A rejection there has probability
@@ -37,14 +38,25 @@ def _normalise(w: Tensor) -> Tensor:
 def mss_rule(step: NodeStep, sampling: SamplingConfig, without_replacement: bool,
              generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """One node of MSS for every row. Returns (accepted slot or -1, emitted token), each (b,)."""
+    if step.child_fixed is not None:
+        return mixed_rule(step, sampling, without_replacement, generator)
     R = target_probs(step.logits, sampling)
+    slot, R = _test_draws(R, step.q, step.child_tokens, step.child_valid, without_replacement,
+                          generator)
+    return slot, sample_from(R, generator)
+
+
+def _test_draws(R: Tensor, q: Tensor, tokens: Tensor, valid: Tensor, without_replacement: bool,
+                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """MSS over the drawn children ``tokens (b, c)`` (where ``valid``) against target ``R (b, v)``:
+    (accepted slot or -1, the residual to sample from when none is accepted)."""
     # Normalising q is not a re-transformation: it is the distribution multinomial sampling used.
-    Q = _normalise(step.q)
-    b, c = step.child_tokens.shape
+    Q = _normalise(q)
+    b, c = tokens.shape
     slot = torch.full((b,), -1, dtype=torch.long, device=R.device)
     for j in range(c):
-        live = step.child_valid[:, j] & (slot < 0)
-        tok = step.child_tokens[:, j : j + 1]
+        live = valid[:, j] & (slot < 0)
+        tok = tokens[:, j : j + 1]
         r_tok = R.gather(1, tok).squeeze(1)
         q_tok = Q.gather(1, tok).squeeze(1)
         u = torch.rand(b, generator=generator, device=R.device)
@@ -64,7 +76,32 @@ def mss_rule(step: NodeStep, sampling: SamplingConfig, without_replacement: bool
             # Once q is exhausted (all of the vocab drafted) later children have q[x] == 0 and
             # are rejected, leaving R unchanged: DySpec's early return.
             Q = torch.where(reject, _normalise(Q.scatter(1, tok, 0.0)), Q)
-    return slot, sample_from(R, generator)
+    return slot, R
+
+
+def mixed_rule(step: NodeStep, sampling: SamplingConfig, without_replacement: bool,
+               generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """A node whose children are draws from q and chosen ones (suffix-tree continuations):
+
+        MSS over the drawn children against the target p;
+        none accepted: y ~ the residual; accept the first chosen child carrying y, if any,
+                       else emit y.
+
+    Every path through the rule emits one token distributed as p (MSS is lossless for its
+    draws), and a child is followed only when its token is the one emitted, so the rest of the
+    walk continues from the right context with fresh randomness: lossless for any chosen
+    children, whatever they depend on. Chosen children add acceptance only where the draws were
+    rejected, so a merged tree never accepts less than its drawn part alone (testing the
+    chosen children first would waste the draws that coincide with them)."""
+    R = target_probs(step.logits, sampling)
+    if step.q is None:  # nothing drawn anywhere (a chosen-only tree in a drawn mode)
+        slot, resid = torch.full_like(step.child_tokens[:, 0], -1), R
+    else:
+        slot, resid = _test_draws(R, step.q, step.child_tokens, step.child_valid & step.child_drawn,
+                                  without_replacement, generator)
+    token = sample_from(resid, generator)
+    chosen = NodeStep(step.logits, None, step.child_tokens, step.child_valid & step.child_fixed)
+    return torch.where(slot >= 0, slot, first_match(chosen, token)), token
 
 
 class MSSVerifier:
@@ -80,7 +117,8 @@ class MSSVerifier:
                generator: torch.Generator | None = None) -> Verdict:
         """target_logits: (b, n, v); draft.q (b, n, v) required unless sampling is greedy."""
         self.check(draft.mode, sampling)
-        validate(draft, target_logits, need_q=not sampling.is_greedy)
+        # a merged draft with no q has no drawn node (Draft.fixed)
+        validate(draft, target_logits, need_q=not sampling.is_greedy and not draft.merged)
         if sampling.is_greedy:  # p is one-hot: MSS reduces to greedy exactly
             return greedy_verdict(draft, target_logits)
         without = draft.mode == "without_replacement"

@@ -32,6 +32,14 @@ SpS) the drafted tree's nodes go to vLLM flattened in topological order, and the
 the distributions its children were drawn from and the verifier for the request's sampling
 settings) is kept in ``drafted`` by request id, for stree's verification in the next step.
 
+Suffix trees (``"tree": "suffix:16"``) run no draft model: each request keeps a row of the
+engine's :class:`~stree.draft.suffix.ContextIndex` (its text's suffix trie, pushed the request's
+new tokens each step, and its place in the engine's cache of earlier outputs, which a request's
+output joins when it leaves the batch), and its tree is read from them; a request with no match
+proposes nothing that step. Merged with a draft's tree (``"caterpillar:2,2,2+suffix:16"``) the
+draft runs as for its tree alone, and accepted suffix nodes it never ran are prefilled into its
+slot with the rest of the tokens it is behind.
+
 When vLLM compiles its model (``enforce_eager=False``) the draft's levels run compiled too
 (:mod:`stree.capture`), for drafters with a static template: a draft batch is padded to the next
 of a few sizes (powers of two up to ``max_num_seqs``) with scratch rows, and one graph per size
@@ -49,7 +57,9 @@ import torch
 
 from stree import capture
 from stree.cache import TreeCache
+from stree.draft import MergedDrafter, SuffixDrafter
 from stree.draft.base import commit_draft
+from stree.draft.suffix import ContextIndex
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.speculative import DraftSpec, draft_size, load_draft
@@ -97,6 +107,17 @@ def sampling_of(params) -> SamplingConfig:
     return SamplingConfig(params.temperature, max(params.top_k, 0), params.top_p)
 
 
+def _levels(drafter):
+    """The drafter whose levels the draft model runs (a merged tree's base)."""
+    return drafter.base if isinstance(drafter, MergedDrafter) else drafter
+
+
+def _suffix(drafter) -> SuffixDrafter | None:
+    if isinstance(drafter, MergedDrafter):
+        return drafter.suffix
+    return drafter if isinstance(drafter, SuffixDrafter) else None
+
+
 def batch_sizes(max_num_seqs: int) -> list[int]:
     """The draft batch sizes compiled for an engine of ``max_num_seqs``: powers of two below it,
     and itself."""
@@ -117,22 +138,32 @@ class StreeProposer:
             raise ValueError(f"num_speculative_tokens={vllm_config.speculative_config.num_speculative_tokens} "
                              f"disagrees with tree {spec.tree!r}")
         self.stree_verifies = spec.stree_verifies
-        self.model = load_draft(spec.model)
+        self.model = load_draft(spec.model) if spec.model is not None else None
         # (drafter, verifier) for greedy requests and for sampled ones: the draft mode, and with it
         # the lossless verifier, depends only on whether the request samples
         self.pairs = {greedy: spec.pair(sampling) for greedy, sampling
                       in ((True, GREEDY), (False, SamplingConfig(temperature=1.0)))}
+        # suffix trees: one index for the engine (a row per request), its cache of earlier
+        # outputs bound to the target's vocabulary
+        self.index = ContextIndex(spec.suffix_cache())
+        if self.index.cache is not None:
+            self.index.cache.bind(vllm_config.model_config.get_vocab_size())
+        for drafter, _ in self.pairs.values():
+            if _suffix(drafter) is not None:
+                _suffix(drafter).index = self.index
+        self.contexts: dict[str, tuple] = {}  # request id -> (its index row, its prompt's length)
         self.drafted: dict[str, DraftedTree] = {}  # where stree verifies: each request's last tree
         # vLLM compiles its model unless enforce_eager; the draft's levels follow, where the tree
         # has a static template (one graph per level width and batch size, as stree's compile=True)
-        self.compiled = (not vllm_config.model_config.enforce_eager
-                         and all(drafter.layered for drafter, _ in self.pairs.values()))
+        self.compiled = (self.model is not None and not vllm_config.model_config.enforce_eager
+                         and all(_levels(drafter).layered for drafter, _ in self.pairs.values()))
         slots = vllm_config.scheduler_config.max_num_seqs
         self.sizes = batch_sizes(slots) if self.compiled else None
         self.compiled_sizes = {size for size in self.sizes or () if size <= PRECOMPILED}
         # scratch slots after the requests' ones pad a draft batch up to a compiled size
         pad = max((b - a - 1 for a, b in zip(self.sizes, self.sizes[1:])), default=0) if self.compiled else 0
-        self.pool = self.model.allocate_state_pool(slots + pad, vllm_config.model_config.max_model_len + self.k + 1)
+        self.pool = None if self.model is None else self.model.allocate_state_pool(
+            slots + pad, vllm_config.model_config.max_model_len + self.k + 1)
         self.free = list(range(slots))
         self.scratch = list(range(slots, slots + pad))
         self.generator = torch.Generator()  # draws of sampled requests without a seed of their own
@@ -152,7 +183,7 @@ class StreeProposer:
         first draft zeroes its slot)."""
         if not self.compiled:
             return
-        drafter, _ = self.pairs[True]
+        drafter = _levels(self.pairs[True][0])
         with capture.compiled(self.model):
             for size in sorted(self.compiled_sizes):  # a run of slots (views of the pool) and scattered slots
                 for slots in {tuple(range(size)), tuple(range(size))[::-1]}:
@@ -174,6 +205,11 @@ class StreeProposer:
         for rid in [r for r in self.rows if r not in current]:
             self.free.append(self.rows.pop(rid).slot)
             self.drafted.pop(rid, None)
+        for rid in [r for r in self.contexts if r not in current]:
+            row, prompt = self.contexts.pop(rid)  # its output joins the engine's cache
+            self.drafted.pop(rid, None)
+            if self.index.cache is not None:
+                self.index.cache.add(row.context[prompt:])
 
     def take_probs(self) -> torch.Tensor | None:
         """The draft distributions of the last ``propose``: ``(num_reqs, K, vocab)`` fp32, row
@@ -200,14 +236,18 @@ class StreeProposer:
             return out
         histories = {i: token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist()
                      for i, new in enumerate(sampled_token_ids) if len(new) and i < len(self.req_ids)}
+        if _suffix(self.pairs[True][0]) is not None:
+            for i, history in histories.items():
+                self._push(self.req_ids[i], history, len(sampled_token_ids[i]))
         with capture.compiled(self.model) if self.compiled else nullcontext():
-            self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()})
+            if self.model is not None:
+                self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()})
             groups: dict[object, list[int]] = {}
             for i in histories:
                 sampling = sampling_of(self.params[i])
-                row = self.rows[self.req_ids[i]]
-                key = ("seed", row.rid) if row.generator is not None and not sampling.is_greedy else sampling
-                groups.setdefault(key, []).append(i)
+                row = self.rows.get(self.req_ids[i])  # none without a draft model: nothing is drawn
+                seeded = row is not None and row.generator is not None and not sampling.is_greedy
+                groups.setdefault(("seed", row.rid) if seeded else sampling, []).append(i)
             for members in groups.values():
                 for i, (tokens, q) in zip(members, self._draft(members, [histories[i][-1] for i in members])):
                     out[i] = tokens[:self.budget]  # the tree's first nodes: a subtree
@@ -269,35 +309,60 @@ class StreeProposer:
             if child is None:
                 return []
             path.append(child)
+        if _suffix(self.pairs[True][0]) is not None:  # a merged tree: the part the draft ran; the
+            ran = next((j for j, u in enumerate(path) if not batch.ran[u]), len(path))  # rest is
+            return path[:ran]                                                          # prefilled
         return path
 
     def _draft(self, members: list[int], roots: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """One draft call for the requests at batch indices ``members`` (one sampling setting),
-        from their ``roots``: per request its K draft tokens and, if sampled under vLLM's
-        verification, the ``(K, vocab)`` distributions they were drawn from."""
-        rows = [self.rows[self.req_ids[i]] for i in members]
+        from their ``roots``: per request its draft tokens (at most K; a suffix tree's as many as
+        its match earns) and, if sampled under vLLM's verification, the ``(K, vocab)``
+        distributions they were drawn from."""
+        rids = [self.req_ids[i] for i in members]
         sampling = sampling_of(self.params[members[0]])
         drafter, verifier = self.pairs[sampling.is_greedy]
-        pad = 0 if self.sizes is None else next(s for s in self.sizes if s >= len(rows)) - len(rows)
-        if self.sizes is not None and len(rows) + pad not in self.compiled_sizes:
-            logger.info("stree: compiling the draft's levels for batches of %d (once)", len(rows) + pad)
-            self.compiled_sizes.add(len(rows) + pad)
-        cache = self.pool.cache([row.slot for row in rows] + self.scratch[:pad],
-                                [len(row.history) for row in rows] + [0] * pad)
-        generator = None if sampling.is_greedy else rows[0].generator or self.generator
-        d = drafter.draft(self.model, cache, torch.tensor(roots + [0] * pad), sampling, generator)
-        self.batches.append(_Batch(cache, d.tree, [drafter.ran(j) for j in range(d.tree.num_nodes)],
-                                   rows + [None] * pad))
+        pad = 0 if self.sizes is None else next(s for s in self.sizes if s >= len(rids)) - len(rids)
+        if _suffix(drafter) is not None:
+            self.index.use([self.contexts[rid][0] for rid in rids] + [self.index.new_row([])] * pad)
+        if self.model is None:
+            d = drafter.draft(None, None, torch.tensor(roots), sampling)
+        else:
+            rows = [self.rows[rid] for rid in rids]
+            if self.sizes is not None and len(rows) + pad not in self.compiled_sizes:
+                logger.info("stree: compiling the draft's levels for batches of %d (once)", len(rows) + pad)
+                self.compiled_sizes.add(len(rows) + pad)
+            cache = self.pool.cache([row.slot for row in rows] + self.scratch[:pad],
+                                    [len(row.history) for row in rows] + [0] * pad)
+            generator = None if sampling.is_greedy else rows[0].generator or self.generator
+            d = drafter.draft(self.model, cache, torch.tensor(roots + [0] * pad), sampling, generator)
+            self.batches.append(_Batch(cache, d.tree, [drafter.ran(j) for j in range(d.tree.num_nodes)],
+                                       rows + [None] * pad))
+        sizes = getattr(drafter, "sizes", None)  # a suffix or merged tree's real nodes per row
         out = []
-        for r, row in enumerate(rows):
-            tokens = d.tree.tokens[r, 1:].tolist()
+        for r, rid in enumerate(rids):
+            n = sizes[r] if sizes else d.tree.num_nodes
+            tokens = d.tree.tokens[r, 1:n].tolist()
             if self.stree_verifies:
-                q = None if d.q is None else d.q[r:r + 1].float()
-                self.drafted[row.rid] = DraftedTree(d.tree.row(r), q, d.mode, verifier, sampling)
+                self.drafted[rid] = DraftedTree.of(d, r, verifier, sampling).prefix(n)
                 out.append((tokens, None))
             else:  # node j's children: token j + 1
                 out.append((tokens, None if sampling.is_greedy else d.q[r, :self.k].float()))
         return out
+
+    def _push(self, rid: str, history: list[int], new: int) -> None:
+        """Bring request ``rid``'s suffix-index row to its ``history`` (which gained ``new``
+        tokens this step): a new request's row holds its whole history and remembers where its
+        prompt ends; a known one's is pushed the tokens it lacks; one whose history no longer
+        extends its row (recomputed after preemption, an id reused) starts over."""
+        entry = self.contexts.get(rid)
+        if entry is not None:
+            context = entry[0].context
+            if len(history) >= len(context) and history[len(context) - 1:len(context)] == context[-1:]:
+                entry[0].push(history[len(context):])
+                return
+        prompt = len(history) - new if entry is None else entry[1]
+        self.contexts[rid] = (self.index.new_row(history), prompt)
 
     def _reset(self, rid: str, row: _Row | None) -> _Row:
         """A fresh row for ``rid`` (its old slot, or a free one), its slot zeroed."""

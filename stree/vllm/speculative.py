@@ -12,6 +12,10 @@ vocabulary equals the target's, the tree spec parses.
 What runs: ``"tree": "chain:K"`` drafts chains that vLLM's own rejection sampler verifies
 (:mod:`stree.vllm.proposer`); any other drafter spec stree parses (static, caterpillar, beam,
 DySpec, DynaTree) drafts trees that stree verifies inside the engine (:mod:`stree.vllm.trees`).
+Suffix trees (``"tree": "suffix:16"``) need no ``"model"``: no draft model is loaded, each request
+drafts from its own text and from the outputs of earlier requests (a cache bounded by
+``"suffix_cache_requests"`` outputs and ``"suffix_cache_tokens"`` tokens; 0 requests: none);
+merged with a draft's tree (``"caterpillar:2,2,2+suffix:16"``) they need one.
 ``num_speculative_tokens`` is the drafter's largest tree less its root. ``"auto"`` is refused: it
 picks its tree from timings of stree's own decoding loop. vLLM's own
 ``num_speculative_tokens_per_batch_size`` schedule (``[[first, last, K], ...]`` over the number of
@@ -34,17 +38,22 @@ PROPOSER = "stree.vllm.proposer.StreeProposer"
 # vLLM's own dynamic speculation by batch size, passed through (see ``translate``)
 SCHEDULE = "num_speculative_tokens_per_batch_size"
 # keys of stree's dict; every other key is refused (no silent typos)
-KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE}
+KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE, "suffix_cache_requests",
+        "suffix_cache_tokens"}
 
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """stree's speculative settings inside vLLM: the draft checkpoint directory, the tree spec, and
-    the verifier of sampled requests (None: the lossless default for the draft, stree's rule)."""
+    """stree's speculative settings inside vLLM: the draft checkpoint directory (None for a suffix
+    tree, which needs no draft model), the tree spec, the verifier of sampled requests (None: the
+    lossless default for the draft, stree's rule) and the bounds of the engine's cache of earlier
+    outputs that suffix trees draft from (0 requests: no cache)."""
 
-    model: str
+    model: str | None
     tree: str = "chain:4"
     verifier: str | None = None
+    suffix_cache_requests: int = 1024
+    suffix_cache_tokens: int = 1 << 18
 
     @property
     def stree_verifies(self) -> bool:
@@ -58,7 +67,18 @@ class DraftSpec:
         from stree.generation import resolve
 
         method = "chain" if is_chain(self.tree) else "tree"
-        return resolve(method, self.tree, None if sampling.is_greedy else self.verifier, sampling)
+        return resolve(method, self.tree, None if sampling.is_greedy else self.verifier, sampling,
+                       draft_model=self.model is not None)
+
+    def suffix_cache(self):
+        """A new :class:`~stree.SuffixCache` of this spec's bounds, or None (no cache, or a tree
+        that reads no text)."""
+        from stree.draft import parse_drafter
+        from stree.draft.suffix_index import SuffixCache
+
+        if self.suffix_cache_requests == 0 or not parse_drafter(self.tree).reads_context:
+            return None
+        return SuffixCache(self.suffix_cache_requests, self.suffix_cache_tokens)
 
     def to_env(self) -> None:
         os.environ[ENV] = json.dumps(asdict(self))
@@ -74,7 +94,8 @@ class DraftSpec:
 
 def draft_size(tree: str) -> int:
     """The most draft tokens a spec proposes per step (its largest tree less the root), parsed by
-    stree's own drafter parser; ValueError for an unknown spec or ``auto``."""
+    stree's own drafter parser; ValueError for an unknown spec or ``auto``. A suffix tree proposes
+    fewer, or none, where its match is short."""
     from stree.draft import parse_drafter
     from stree.draft.auto import AutoDrafter
 
@@ -84,6 +105,13 @@ def draft_size(tree: str) -> int:
                          "stree's own decoding loop and does not run inside vLLM; name a tree "
                          "(e.g. 'caterpillar:2,2,2,2') or a chain ('chain:4')")
     return drafter.num_nodes - 1
+
+
+def needs_model(tree: str) -> bool:
+    """Whether a spec drafts with a draft model (a suffix tree alone does not)."""
+    from stree.draft import parse_drafter
+
+    return parse_drafter(tree).uses_draft_model
 
 
 def is_chain(tree: str) -> bool:
@@ -109,18 +137,30 @@ def translate(config: dict, target_vocab_size: int, enforce_eager: bool = False)
     GPU without ``STREE_VLLM_GPU_TREES=1`` and ``enforce_eager``, the engine's setting) or the
     draft loader's error, all before any engine process starts.
     """
-    from stree.generation import vocab_size
+    from stree.inputs import vocab_size
     from stree.sampling import SamplingConfig
 
     unknown = sorted(set(config) - KEYS)
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {unknown} for method 'stree' (known: {sorted(KEYS)})")
-    if not config.get("model"):
-        raise ValueError("speculative_config: method 'stree' needs 'model': the draft checkpoint directory")
     verifier = config.get("verifier")
-    spec = DraftSpec(model=str(config["model"]), tree=str(config.get("tree", DraftSpec.tree)),
-                     verifier=None if verifier is None else str(verifier))
-    k = draft_size(spec.tree)
+    tree = str(config.get("tree", DraftSpec.tree))
+    k = draft_size(tree)
+    if needs_model(tree) and not config.get("model"):
+        raise ValueError(f"speculative_config: tree {tree!r} needs 'model', the draft checkpoint "
+                         "directory (a suffix tree, 'suffix:16', needs none)")
+    if not needs_model(tree) and config.get("model"):
+        raise ValueError(f"speculative_config: tree {tree!r} runs no draft model: leave 'model' out, or "
+                         f"merge the draft's tree with it ('caterpillar:2,2,2+{tree}')")
+    bounds = {}
+    for key in ("suffix_cache_requests", "suffix_cache_tokens"):
+        value = config.get(key, getattr(DraftSpec, key))
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key.endswith("requests") else 1):
+            raise ValueError(f"speculative_config: {key} must be an int >= "
+                             f"{0 if key.endswith('requests') else 1}, got {value!r}")
+        bounds[key] = value
+    spec = DraftSpec(model=str(config["model"]) if config.get("model") else None, tree=tree,
+                     verifier=None if verifier is None else str(verifier), **bounds)
     try:
         spec.pair(SamplingConfig(temperature=1.0))
     except ValueError as err:
@@ -141,7 +181,7 @@ def translate(config: dict, target_vocab_size: int, enforce_eager: bool = False)
     if config.get("num_speculative_tokens") not in (None, k):
         raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
                          f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")
-    draft_vocab = vocab_size(load_draft(spec.model))
+    draft_vocab = target_vocab_size if spec.model is None else vocab_size(load_draft(spec.model))
     if draft_vocab != target_vocab_size:
         raise ValueError(f"speculative_config: the draft's vocabulary ({draft_vocab} tokens, {spec.model}) "
                          f"differs from the target's ({target_vocab_size}): draft and target must share "

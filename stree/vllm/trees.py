@@ -54,22 +54,44 @@ from stree.vllm.cpu_spec import conv_windows, start_slots
 class DraftedTree:
     """What the proposer drafted for one request: the tree (root first), the distributions its
     children were drawn from (``q``, None when chosen deterministically or greedy), the draft
-    mode, the verifier and the sampling settings it is verified under."""
+    mode, the verifier and the sampling settings it is verified under, and for a merged tree the
+    marks of its chosen and drawn nodes (``Draft.fixed`` / ``Draft.drawn``)."""
 
     tree: TokenTree
     q: torch.Tensor | None
     mode: str
     verifier: object
     sampling: SamplingConfig
+    fixed: torch.Tensor | None = None
+    drawn: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, draft: Draft, r: int, verifier, sampling: SamplingConfig) -> "DraftedTree":
+        """Row ``r`` of a batched ``draft``."""
+        def row(t):
+            return None if t is None else t[r:r + 1]
+
+        q = row(draft.q)
+        return cls(draft.tree.row(r), None if q is None else q.float(), draft.mode, verifier, sampling,
+                   row(draft.fixed), row(draft.drawn))
+
+    @property
+    def draft(self) -> Draft:
+        return Draft(self.tree, self.q, self.mode, self.fixed, self.drawn)
 
     def prefix(self, m: int) -> "DraftedTree":
-        """The first ``m`` nodes (vLLM may schedule fewer drafts than it was given); a prefix of a
-        topological order is a subtree."""
+        """The first ``m`` nodes (vLLM may schedule fewer drafts than it was given, and a suffix
+        or merged tree of a batch is padded past its own nodes); a prefix of a topological order
+        is a subtree."""
         if m == self.tree.num_nodes:
             return self
         tree = TokenTree(self.tree.tokens[:, :m], self.tree.parents[:, :m])
-        q = None if self.q is None else self.q[:, :m]
-        return DraftedTree(tree, q, self.mode, self.verifier, self.sampling)
+
+        def cut(t):
+            return None if t is None else t[:, :m]
+
+        return DraftedTree(tree, cut(self.q), self.mode, self.verifier, self.sampling, cut(self.fixed),
+                           cut(self.drawn))
 
 
 @dataclass
@@ -213,8 +235,7 @@ class TreeStep:
             if end - (cu_num_sampled[tr.row - 1] if tr.row else 0) != m:
                 raise RuntimeError(f"stree: request row {tr.row} has {m} tree nodes but vLLM computed "
                                    "logits for a different number of positions")
-            verdict = d.verifier.verify(Draft(d.tree, d.q, d.mode), logits[end - m:end][None].float(),
-                                        d.sampling, tr.generator)
+            verdict = d.verifier.verify(d.draft, logits[end - m:end][None].float(), d.sampling, tr.generator)
             a = int(verdict.num_accepted[0])
             tr.path = verdict.path[0, :a + 1].tolist()
             tokens = d.tree.tokens[0, tr.path[1:]].tolist() + [int(verdict.next_token[0])]

@@ -102,15 +102,18 @@ def test_stree_verifies_with_the_draft_distributions(pair):
     assert _pvalue(_counts(out["tokens"]), p_target) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["stree", "stree-asps", "stree-tree", "ngram"])
+@pytest.mark.parametrize("method", ["stree", "stree-asps", "stree-tree", "stree-suffix", "stree-merged", "ngram"])
 def test_speculative_sampling_matches_exact_distribution(pair, method):
     """stree's chain (vLLM's rejection sampler, SpS), stree's chain under ASpS and stree's tree
     (stree's verifiers inside the engine; the tree's children drawn without replacement from the
-    draft, MSS) and vLLM's ngram."""
+    draft, MSS), a suffix tree (no draft model; chosen children, naive sampling), a merged tree
+    (drawn and chosen children under one node, MSS's rule for the mix) and vLLM's ngram."""
     target, draft, p_target, _ = pair
     config = {"stree": {"method": "stree", "model": draft, "tree": "chain:3"},
               "stree-asps": {"method": "stree", "model": draft, "tree": "chain:3", "verifier": "asps"},
               "stree-tree": {"method": "stree", "model": draft, "tree": "caterpillar:2,2,2"},
+              "stree-suffix": {"method": "stree", "tree": "suffix:4"},
+              "stree-merged": {"method": "stree", "model": draft, "tree": "caterpillar:2,2,2+suffix:4"},
               "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
                         "prompt_lookup_min": 1}}[method]
     out = _sample(target, config)
