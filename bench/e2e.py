@@ -188,7 +188,7 @@ def parse_args(argv=None) -> BenchConfig:
 def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
     """Token ids of each prompt, the target's BOS first when its config has one (the shipped
     models saw ``<|endoftext|>`` = BOS before every training file), as the CLI and demo do."""
-    from stree.cli import encode_prompt, model_config
+    from stree.checkpoints import encode_prompt, model_config
     from stree.prompts import load_prompts
 
     bos = model_config(cfg.target).get("bos_token_id")
@@ -385,7 +385,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
-    from stree.cli import default_eos, load_model, load_tokenizer
+    from stree.checkpoints import default_eos, load_model, load_tokenizer
 
     device = torch.device(cfg.device)
     dtype = DTYPES[cfg.dtype]

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stree  # noqa: E402
 from stree.cache import grown_capacity  # noqa: E402
 from stree.limits import ContextLimitWarning, context_limit  # noqa: E402
-from stree.patch import _stree_mixers  # noqa: E402
+from stree.walk import mixers  # noqa: E402
 from stree.layers import attention, mamba2  # noqa: E402
 
 PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "stree-tiny")
@@ -80,7 +80,7 @@ class RssProbe:
 def kv_bytes_per_position(model) -> int:
     """Bytes one sequence position costs in the attention K/V of a patched ``model``."""
     total = 0
-    for _, mixer in _stree_mixers(model):
+    for _, mixer in mixers(model):
         if not mamba2.is_mamba2(mixer):
             a = attention.view(mixer)
             total += 2 * a.num_key_value_heads * a.head_dim * next(mixer.parameters()).element_size()
@@ -97,7 +97,7 @@ def cache_bytes(models, length: int) -> int:
 
 def load_models(device: str = "cpu"):
     """(hybrid target, Mamba2 draft, noisy copy of the draft): patched, fp32, prepacked."""
-    from stree.cli import load_model
+    from stree.checkpoints import load_model
 
     target = load_model(os.path.join(PAIR, "target"), device, torch.float32)
     draft = load_model(os.path.join(PAIR, "draft"), device, torch.float32)

@@ -65,7 +65,7 @@ def linear_rows(models) -> list[dict]:
 
 
 def e2e_rows(args) -> list[dict]:
-    from stree.cli import default_eos, encode_prompt, load_model, load_tokenizer, model_config
+    from stree.checkpoints import default_eos, encode_prompt, load_model, load_tokenizer, model_config
     from stree.generation import generate
     from stree.prompts import load_prompts
 
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         print("this torch build has no oneDNN packed linear: nothing to compare", file=sys.stderr)
         return 1
     meta = dict(metadata("cpu"), torch_threads=torch.get_num_threads())
-    from stree.cli import load_model
+    from stree.checkpoints import load_model
 
     models = [load_model(os.path.join(args.models, d), torch.device("cpu"), torch.float32, prepack=False)
               for d in ("target", "draft")]

@@ -34,7 +34,7 @@ STEPS = 256
 def code_tokens(tokenizer_dir: str, count: int) -> list[int]:
     """The first ``count`` tokens of the standard library's files (path order), concatenated."""
     from models import data
-    from stree.cli import load_tokenizer
+    from stree.checkpoints import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
     out: list[int] = []

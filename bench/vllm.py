@@ -1,4 +1,5 @@
-"""Decoding inside vLLM on the shipped pair: vLLM's own decoding, stree's chain and tree, vLLM's ngram.
+"""Decoding inside vLLM on the shipped pair: vLLM's own decoding, stree's chains and trees (with the draft,
+suffix trees without it, both merged), vLLM's ngram and, where arctic-inference is installed, vLLM's suffix.
 
     scripts/venv-vllm python bench/vllm.py --prompts humaneval mtbench --limit 8 --max-new-tokens 128
 
@@ -36,6 +37,11 @@ METHODS = {
     "stree-tree-solo": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2",
                         "num_speculative_tokens_per_batch_size": [[1, 1, 6], [2, 4, 0]]},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    # suffix trees: no draft model; merged with the default tree's draft
+    "stree-suffix": {"method": "stree", "tree": "suffix:16"},
+    "stree-merged": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2+suffix:16"},
+    # vLLM's own SuffixDecoding (one path per request; needs the arctic-inference package)
+    "vllm-suffix": {"method": "suffix", "num_speculative_tokens": 16},
 }
 MARK = "BENCH-RESULT "
 
@@ -91,7 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vllm-suffix"],
+                        choices=list(METHODS), help="vllm-suffix needs the arctic-inference package")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (no torch.compile)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
 """Compiled decoding steps: ``torch.compile(fullgraph=True)`` of a patched model's tree forward
 (the target's verify step) and draft level, for a fixed tree template.
 
-The steps (``stree.patch.tree_step`` / ``level_step``) read only tensors: every table is built
+The steps (``stree.steps.tree_step`` / ``level_step``) read only tensors: every table is built
 before them, and with ``static`` steps attention reads the whole ``max_seqlen`` key span under
 the mask (per-row lengths stay on the device), so a template has fixed shapes and the step has no
 host synchronisation. One graph is compiled per model and shape: the verify tree, and each
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-from stree.patch import Steps, level_step, tree_step
+from stree.steps import Steps, level_step, tree_step
 
 BACKEND = "inductor"  # torch.compile's backend for the steps
 FREEZING = {"freezing": True}  # inductor config: weights as graph constants (see above)
@@ -48,7 +48,7 @@ def unavailable() -> str | None:
 
 
 def compiled_steps(model) -> Steps:
-    """The compiled :class:`stree.patch.Steps` of a patched ``model`` (built once per model)."""
+    """The compiled :class:`stree.steps.Steps` of a patched ``model`` (built once per model)."""
     steps = getattr(model, "_stree_compiled", None)
     if steps is None:
         import torch._dynamo as dynamo

@@ -1,39 +1,25 @@
 """Command line: ``stree generate --target DIR [--draft DIR] --prompt TEXT ...``.
 
 Streams the new text as tokens are accepted (stdout), shows a progress bar (stderr; tqdm if
-installed), then prints the statistics (stderr). Models load from local directories only:
-
-* a ``config.json`` naming a transformers Mamba2-family class (``architectures``): loaded with
-  transformers' own ``from_pretrained`` (``stree.hf``), its tokenizer with ``AutoTokenizer``;
-* a directory with ``mamba_config.json``: a MambaInLlama hybrid (``stree.hybrid``);
-* otherwise mamba_ssm's ``MambaLMHeadModel`` layout: ``config.json`` + ``pytorch_model.bin``
-  (or ``model.safetensors``), built and loaded the way mamba_ssm's ``from_pretrained`` does,
-  without the hub.
-
-The tokenizer is a ``tokenizer.json`` (Hugging Face ``tokenizers``): ``--tokenizer`` (the file or
-its directory), else the one in the target's directory.
+installed), then prints the statistics (stderr). Models load from local directories only, in any
+layout :mod:`stree.checkpoints` knows; the tokenizer is ``--tokenizer`` (a ``tokenizer.json`` or
+its directory), else the target's.
 
 Bad input (a missing or broken model directory, an empty prompt, an unknown tree, a non-lossless
 verifier, bad sampling values, a model stree cannot patch) ends with one ``error: ...`` line on
-stderr and exit status 1; ``--debug`` shows the traceback instead.
+stderr and exit status 1; ``--debug`` shows the traceback instead (:mod:`stree.errors`).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
-import warnings
-from contextlib import contextmanager
 
 import torch
 
+from stree.checkpoints import (DTYPES, check_model_dir, default_eos, encode_prompt, load_role, load_tokenizer,
+                               model_config, reported_as)
+from stree.errors import add_debug_flag, guarded
 from stree.inputs import available_device
-from stree.jsonfile import read_json
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# End-of-text tokens of the tokenizers the supported model families ship with.
-EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "</s>")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,11 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_debug_flag(parser) -> None:
-    parser.add_argument("--debug", action="store_true",
-                        help="show the Python traceback of an error instead of one line")
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -101,38 +82,6 @@ def main(argv=None) -> int:
 
         return guarded(demo.run, args)
     return guarded(run_generate, args)
-
-
-def guarded(run, args) -> int:
-    """``run(args)``, with any error printed as one ``error: ...`` line (exit status 1) unless
-    ``args.debug``, where it propagates with its traceback."""
-    try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
-            return run(args)
-    except KeyboardInterrupt:  # Ctrl-C: the text so far is flushed (TextStreamer.interrupt)
-        sys.stdout.flush()
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 - the command line's last line of defence
-        if getattr(args, "debug", False):
-            raise
-        print(f"error: {describe_error(err)}", file=sys.stderr)
-        return 1
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """Warnings as one ``warning: ...`` line (a capped ``--max-new-tokens``, see
-    ``stree.limits``), not Python's two lines of source location."""
-    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr)
-
-
-def describe_error(err: BaseException) -> str:
-    """One line: the message of errors stree raises on bad input, else the type and message."""
-    msg = " ".join(str(err).split())
-    if isinstance(err, (ValueError, TypeError, OSError)) and msg:
-        return msg
-    return f"{type(err).__name__}: {msg} (run with --debug for the traceback)"
 
 
 def run_generate(args) -> int:
@@ -206,153 +155,6 @@ def read_prompt(args) -> str:
     if not text:
         raise ValueError(f"the prompt is empty ({where}): generation needs at least one prompt token")
     return text
-
-
-def encode_prompt(tokenizer, text: str, bos_token_id: int | None) -> list[int]:
-    """Token ids of ``text`` with the model's BOS in front (once: a tokenizer whose template
-    already adds it is left alone). The CLI and the demo both encode prompts here."""
-    ids = tokenizer.encode(text).ids
-    if bos_token_id is not None and (not ids or ids[0] != bos_token_id):
-        ids = [int(bos_token_id)] + ids
-    if not ids:
-        raise ValueError(f"the prompt {text!r} encodes to no tokens")
-    return ids
-
-
-# ------------------------------------------------------------------------------------ loading
-def load_role(role: str, directory: str, device, dtype, model_type: str = "auto", prepack: bool = True):
-    """:func:`load_model`, with any failure reported as ``"<role> model <dir>: <why>"``."""
-    with reported_as(role, directory):
-        return load_model(directory, device, dtype, model_type, prepack)
-
-
-@contextmanager
-def reported_as(role: str, directory: str):
-    """Any failure inside the block as a :class:`ModelLoadError` ``"<role> model <dir>: <why>"``."""
-    try:
-        yield
-    except Exception as err:
-        raise ModelLoadError(f"{role} model {directory}: {describe_error(err)}") from err
-
-
-class ModelLoadError(ValueError):
-    """A model directory could not be turned into a patched model."""
-
-
-def load_model(directory: str, device, dtype, model_type: str = "auto", prepack: bool = True):
-    """A patched model from a local checkpoint directory (see the module docstring); on the CPU in
-    fp32 its linear layers get prepacked weights (``stree.prepack_linears``) unless ``prepack`` is
-    False: the model's own decoding and stree's run the same kernels."""
-    model = _load_patched(directory, available_device(device), dtype, model_type)
-    if prepack:
-        from stree.layers.linear import prepack_linears
-
-        prepack_linears(model)
-    return model
-
-
-def check_model_dir(directory: str) -> None:
-    """FileNotFoundError unless ``directory`` exists and holds a ``config.json`` (naming the model
-    directories inside it, if it holds some: the pair's folder instead of one of its models)."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"model directory not found: {directory}")
-    if not os.path.exists(os.path.join(directory, "config.json")):
-        subdirs = sorted(d for d in os.listdir(directory)
-                         if os.path.exists(os.path.join(directory, d, "config.json")))
-        hint = f" (it holds model directories {', '.join(subdirs)}: pass one of them)" if subdirs else ""
-        raise FileNotFoundError(f"no config.json in {directory}: not a model checkpoint directory{hint}")
-
-
-def _load_patched(directory: str, device, dtype, model_type: str):
-    import stree
-    from stree import hf
-
-    check_model_dir(directory)
-    if model_type == "transformers" or (model_type == "auto" and hf.is_checkpoint(directory)):
-        return stree.patch(hf.load(directory, dtype=dtype, device=device))
-    hybrid = os.path.exists(os.path.join(directory, "mamba_config.json"))
-    if model_type == "hybrid" and not hybrid:
-        raise ValueError(f"{directory} has no mamba_config.json: not a MambaInLlama hybrid checkpoint")
-    if model_type == "hybrid" or (model_type == "auto" and hybrid):
-        from stree.hybrid import MambaInLlamaForCausalLM
-
-        model = MambaInLlamaForCausalLM.from_pretrained(directory, dtype=dtype, device=device)
-    else:
-        model = _load_mamba_lm(directory, device, dtype)
-    return stree.patch(model.eval())
-
-
-def _load_mamba_lm(directory: str, device, dtype):
-    from stree._mamba import mamba_ssm  # noqa: F401
-    from mamba_ssm.models.config_mamba import MambaConfig
-    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-
-    from stree.hybrid.checkpoint import check_state_dict, read_weights
-
-    raw = model_config(directory)
-    missing = [k for k in ("d_model", "n_layer") if k not in raw]
-    if missing:  # MambaConfig's defaults would build (and allocate) a 2.8B-parameter model
-        llama = raw.get("model_type") == "llama" or "LlamaForCausalLM" in (raw.get("architectures") or [])
-        why = (" (a Llama-style config.json: a MambaInLlama hybrid keeps its Mamba layers' settings in a "
-               "mamba_config.json beside it, which is missing)" if llama else "")
-        raise ValueError(f"{directory}/config.json is not a mamba-ssm config: it lacks "
-                         f"{', '.join(missing)}{why}")
-    known = {f.name for f in dataclasses.fields(MambaConfig)}
-    model = MambaLMHeadModel(MambaConfig(**{k: v for k, v in raw.items() if k in known}),
-                             device=device, dtype=dtype)
-    bin_path = os.path.join(directory, "pytorch_model.bin")
-    st_path = os.path.join(directory, "model.safetensors")
-    if os.path.exists(bin_path):
-        state = read_weights(bin_path)
-    elif os.path.exists(st_path):
-        state = read_weights(st_path)
-    else:
-        raise FileNotFoundError(f"{directory}: neither pytorch_model.bin nor model.safetensors found")
-    tied = {"lm_head.weight"} if model.config.tie_embeddings else set()
-    check_state_dict({k: v.shape for k, v in model.state_dict().items()}, state, optional=tied)
-    model.load_state_dict(state, strict=not tied)
-    return model
-
-
-def model_config(directory: str) -> dict:
-    """The parsed ``config.json`` of a model directory ({} if there is none)."""
-    return read_json(os.path.join(directory, "config.json"))
-
-
-
-def load_tokenizer(path: str):
-    """``tokenizers.Tokenizer`` from a tokenizer.json file or a directory holding one (a transformers
-    checkpoint directory: through ``AutoTokenizer``)."""
-    from tokenizers import Tokenizer
-
-    from stree import hf
-
-    if os.path.isdir(path) and hf.is_checkpoint(path):
-        return hf.load_tokenizer(path)
-
-    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"no tokenizer.json at {path}; pass --tokenizer FILE_OR_DIR")
-    try:
-        return Tokenizer.from_file(file)
-    except Exception as err:
-        raise ValueError(f"{file} is not a readable tokenizer.json ({type(err).__name__}: "
-                         f"{' '.join(str(err).split())})") from err
-
-
-def default_eos(model_dir: str, tokenizer) -> list[int]:
-    """Stop ids: every ``eos_token_id`` of ``config.json`` and ``generation_config.json`` (an id or
-    a list; chat models end a turn with an id their config lists second, e.g. Llama-3.1's
-    ``<|eot_id|>``), else the tokenizer's end-of-text tokens; [] if none is known."""
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        eos = read_json(os.path.join(model_dir, name)).get("eos_token_id")
-        for t in eos if isinstance(eos, list) else [] if eos is None else [eos]:
-            if int(t) not in ids:
-                ids.append(int(t))
-    if ids:
-        return ids
-    return [tokenizer.token_to_id(t) for t in EOS_TOKENS if tokenizer.token_to_id(t) is not None]
 
 
 # ---------------------------------------------------------------------------------- streaming

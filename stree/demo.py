@@ -76,7 +76,7 @@ def build_parser(parser=None) -> argparse.ArgumentParser:
     parser.add_argument("--no-prepack", action="store_true",
                         help="CPU fp32: keep PyTorch's plain linear layers instead of prepacked "
                              "weights (stree.prepack_linears), for every method")
-    from stree.cli import add_debug_flag
+    from stree.errors import add_debug_flag
 
     add_debug_flag(parser)
     return parser
@@ -100,7 +100,7 @@ def default_prompts(n: int) -> list[str]:
 
 
 def run(args) -> int:
-    from stree.cli import default_eos, encode_prompt, load_role, load_tokenizer, model_config
+    from stree.checkpoints import default_eos, encode_prompt, load_role, load_tokenizer, model_config
     from stree.generation import generate
     from stree.inputs import available_device
 
@@ -183,16 +183,16 @@ def _draft_for(drafter: str | None, draft):
 def _describe(model) -> str:
     n = sum(p.numel() for p in model.parameters())
     kinds = {}
-    from stree.patch import _stree_mixers  # the patched model's sequence mixers
+    from stree.walk import mixers  # the model's sequence mixers
 
-    for _, m in _stree_mixers(model):
+    for _, m in mixers(model):
         kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
     layers = ", ".join(f"{v} x {k}" for k, v in kinds.items())
     return f"{n / 1e6:.2f}M parameters, {layers}"
 
 
 def main(argv=None) -> int:
-    from stree.cli import guarded
+    from stree.errors import guarded
 
     return guarded(run, build_parser().parse_args(argv))
 

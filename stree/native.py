@@ -12,7 +12,7 @@ model family decodes with its own code at its best:
   (``update_graph_cache``). Its ``generate`` itself is not called because it builds CUDA events
   even on CPU and samples with its own ``sample`` (ties at the k-th logit dropped, no list of stop
   ids); the loop here samples every family the same way (:mod:`stree.sampling`).
-* transformers' Mamba2 family (:mod:`stree.hf.native`, registered by ``import stree.hf``): its own
+* transformers' Mamba2 family (:mod:`stree.hf.native`, registered below): its own
   ``generate`` prepares the cache, positions and ``logits_to_keep`` (a ``custom_generate`` hook that
   only captures them), then ``_prefill`` and, per token, ``prepare_inputs_for_generation`` -> forward
   -> ``_update_model_kwargs_for_generation``, as ``generate``'s ``_sample`` loop runs them.
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from stree.cache import grown_capacity
+from stree.hf.native import TransformersSession, is_transformers_family
 from stree.stats import GenerationStats, timed
 from stree.sampling import SamplingConfig, sample
 
@@ -90,7 +91,7 @@ def generate(model, prompts: list[Tensor], max_new_tokens: int, sampling: Sampli
     Equal-length prompts decode as one batch; ragged ones row by row. ``stats`` is filled as for
     the other methods (first token from the prefill, one step per later token).
     """
-    from stree import capture  # stree.patch imports stree.hf, which registers with this module
+    from stree import capture
 
     factory = session_factory(model, compile)
     if compile and (reason := capture.unavailable()) is not None:
@@ -234,3 +235,4 @@ def _is_mamba_lm(model) -> bool:
 
 register(_is_mamba_lm, _MambaLMSession)
 register(_is_hybrid, _HybridSession, _CompiledHybridSession)
+register(is_transformers_family, TransformersSession)

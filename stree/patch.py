@@ -8,21 +8,16 @@ change is three new methods; the model's own code paths are untouched.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from stree._mamba import mamba_ssm  # noqa: F401
-from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-from mamba_ssm.ops.triton.layer_norm import layer_norm_ref, rms_norm_ref, layer_norm_fn, RMSNorm
-
-from stree import hf
 from stree.cache import (AttentionActivations, LevelPending, NodeStates, PendingTree, StatePool,
                          TreeCache, grown_capacity)
 from stree.inputs import token_ids
 from stree.layers import attention, mamba2
+from stree.steps import EAGER, Steps
 from stree.tree import TokenTree
+from stree.walk import mixers, walk
 
 
 class TreeDecodingMixin:
@@ -48,7 +43,7 @@ class TreeDecodingMixin:
                              f"positive, got {num_slots}, {max_seqlen}")
         capacity = grown_capacity(1, max_seqlen)
         layers = {}
-        for idx, mixer in _stree_mixers(self):
+        for idx, mixer in mixers(self):
             if mamba2.is_mamba2(mixer):
                 layers[idx] = mamba2.allocate(mixer, num_slots, dtype)
             else:
@@ -95,7 +90,7 @@ class TreeDecodingMixin:
                 return mamba2.prefill(mixer, h, state)
             return attention.prefill(attention.view(mixer), h, state, cache.seqlens[0])
 
-        logits = _stree_walk(self, input_ids, run)
+        logits = walk(self, input_ids, run)
         cache.store(states)
         cache.advance([input_ids.shape[1]] * cache.batch_size)
         return logits
@@ -162,59 +157,6 @@ class TreeDecodingMixin:
         return logits
 
 
-# ------------------------------------------------------------------------------ the steps
-# What a tree forward and a draft level run once their tables are built: the model's layers on
-# tensors only (static shapes for a fixed template and span, no host reads), so that
-# ``stree.capture`` can compile them with ``torch.compile(fullgraph=True)``.
-def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
-    """Logits ``(b, n, vocab)`` of the tree ``tokens (b, n)`` and ``{layer: activations}``."""
-    acts = {}
-    attn = _attention_tables(model, tables, layers)
-
-    def run(idx, mixer, h):
-        if idx in tables["consts"]:
-            out, acts[idx] = mamba2.tree_forward(mixer, h, layers[idx], tables["mamba"][idx],
-                                                 impl=impl, k=tables["consts"][idx])
-        else:
-            out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)
-        return out
-
-    return _stree_walk(model, tokens, run), acts
-
-
-def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict):
-    """Logits ``(b, w, vocab)`` of ``w`` level nodes per row (tokens ``(b, w)``), each run from
-    the :class:`NodeStates` slot ``src (b * w,)`` of ``states`` (its parent's), its own state
-    written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch."""
-    b, w = tokens.shape
-    attn = _attention_tables(model, tables, layers)
-
-    def run(idx, mixer, h):
-        if idx not in tables["consts"]:
-            return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
-        ns = states[idx]
-        out, conv, ssm = mamba2.node_step(mixer, h.reshape(b * w, 1, -1),
-                                          ns.conv.index_select(0, src),
-                                          ns.ssm.index_select(0, src), tables["consts"][idx])
-        ns.conv.index_copy_(0, dst, conv)
-        ns.ssm.index_copy_(0, dst, ssm)
-        return out.view(b, w, -1)
-
-    return _stree_walk(model, tokens, run)
-
-
-@dataclass(frozen=True)
-class Steps:
-    """The step functions a patched model runs: eager by default; ``stree.capture`` installs
-    compiled ones, which need ``static`` shapes (attention over the cache's whole ``capacity``)."""
-    tree: Callable = tree_step
-    level: Callable = level_step
-    static: bool = False
-
-
-EAGER = Steps()
-
-
 def _steps(model) -> Steps:
     return getattr(model, "_stree_steps", None) or EAGER
 
@@ -224,25 +166,16 @@ def _tables(model, tree: TokenTree, mamba_tree: TokenTree | None, lengths, span:
     """Everything the layers of one step read besides their state, built before they run: per
     Mamba2 layer its constants and ``mamba_tree``'s conv/scan tables (none for a draft level,
     whose nodes run one by one by the recurrence); for attention layers what
-    :func:`_attention_tables` builds inside the step from ``tree``'s ancestor mask and depth."""
+    :func:`stree.steps.attention_tables` builds inside the step from ``tree``'s ancestor mask
+    and depth."""
     consts, per_layer = {}, {}
-    for idx, mixer in _stree_mixers(model):
+    for idx, mixer in mixers(model):
         if mamba2.is_mamba2(mixer):
             consts[idx] = mamba2.constants(mixer)
             if mamba_tree is not None:
                 per_layer[idx] = mamba_tree.conv_scan_tables(*mamba2.conv_shape(mixer))
     tree_in = dict(ancestors=tree.mask, depth=tree.depth, lengths=lengths, span=span, nodes=nodes)
     return dict(consts=consts, mamba=per_layer, tree=tree_in)
-
-
-def _attention_tables(model, tables: dict, layers: dict) -> dict:
-    """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)
-    for its attention layers and their caches ``layers[idx]``."""
-    idxs = [(idx, m) for idx, m in _stree_mixers(model) if idx not in tables["consts"]]
-    if not idxs:
-        return {}
-    return attention.tree_tables(adapters=[attention.view(m) for _, m in idxs],
-                                 caches=[layers[idx] for idx, _ in idxs], **tables["tree"])
 
 
 def _with_slots(t: torch.Tensor, slots: int) -> torch.Tensor:
@@ -257,7 +190,7 @@ def _level_states(model, cache: TreeCache, slots: int) -> dict:
     ``slots`` states per row, slot 0 the committed state (the others are written by the levels
     before anything reads them), per attention layer its K/V scratch marker."""
     states, committed = {}, cache.states()
-    for idx, mixer in _stree_mixers(model):
+    for idx, mixer in mixers(model):
         if not mamba2.is_mamba2(mixer):
             states[idx] = AttentionActivations()
             continue
@@ -277,8 +210,7 @@ def patch(model):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"stree.patch takes a loaded model (a torch.nn.Module), got {type(model).__name__}; "
                         "load a checkpoint directory first, e.g. with stree.hf.load(path)")
-    mixers = _stree_mixers(model)  # raises for unsupported models
-    for idx, mixer in mixers:
+    for idx, mixer in mixers(model):  # raises for unsupported models
         if not (mamba2.is_mamba2(mixer) or attention.view(mixer) is not None):
             raise TypeError(
                 f"layer {idx}: {type(mixer).__name__} is not supported by stree "
@@ -288,58 +220,6 @@ def patch(model):
     cls = model.__class__
     model.__class__ = type(f"STree{cls.__name__}", (TreeDecodingMixin, cls), {})
     return model
-
-
-# ------------------------------------------------------------------------------ model families
-def _stree_mixers(model):
-    """``[(layer_idx, mixer_module)]`` of a supported model."""
-    if isinstance(model, MambaLMHeadModel):
-        return [(i, blk.mixer) for i, blk in enumerate(model.backbone.layers)]
-    if hasattr(model, "stree_mixers"):
-        return list(model.stree_mixers())
-    family = hf.family(model)  # transformers' Mamba2 family; raises for classes not supported yet
-    if family is not None:
-        return family.stree_mixers()
-    raise TypeError(f"stree.patch supports mamba_ssm MambaLMHeadModel, stree.hybrid models and "
-                    f"transformers' {', '.join(hf.SUPPORTED)}, not {type(model).__name__}")
-
-
-def _stree_walk(model, input_ids, run_mixer):
-    """Run the model's layers with each sequence mixer replaced by ``run_mixer(idx, mixer, h)``."""
-    if isinstance(model, MambaLMHeadModel):
-        return _walk_mamba_lm(model, input_ids, run_mixer)
-    if hasattr(model, "stree_walk"):
-        return model.stree_walk(input_ids, run_mixer)
-    return hf.family(model).stree_walk(input_ids, run_mixer)
-
-
-def _walk_mamba_lm(model, input_ids, run_mixer):
-    """mamba_ssm's MixerModel/Block forward (Add -> Norm -> Mixer [-> Add -> Norm -> MLP])."""
-    bb = model.backbone
-    h = bb.embedding(input_ids)
-    residual = None
-    for i, blk in enumerate(bb.layers):
-        h, residual = _add_norm(h, residual, blk.norm, blk.residual_in_fp32)
-        h = run_mixer(i, blk.mixer, h)
-        if blk.mlp is not None:
-            h, residual = _add_norm(h, residual, blk.norm2, blk.residual_in_fp32)
-            h = blk.mlp(h)
-    h, _ = _add_norm(h, residual, bb.norm_f, bb.residual_in_fp32 if hasattr(bb, "residual_in_fp32") else False)
-    return model.lm_head(h).float()
-
-
-def _add_norm(h, residual, norm, residual_in_fp32):
-    """``residual += h; h = norm(residual)`` with mamba_ssm's fused kernel on CUDA, its PyTorch
-    reference elsewhere."""
-    is_rms = isinstance(norm, RMSNorm)
-    if h.is_cuda:
-        return layer_norm_fn(h, norm.weight, norm.bias, residual=residual, prenorm=True,
-                             residual_in_fp32=residual_in_fp32, eps=norm.eps, is_rms_norm=is_rms)
-    ref = rms_norm_ref if is_rms else layer_norm_ref
-    out, res = ref(h, norm.weight, norm.bias, residual=residual, eps=norm.eps, prenorm=True, upcast=True)
-    if residual_in_fp32:
-        res = res.float()
-    return out.to(h.dtype), res
 
 
 def _first_weight(module):

@@ -9,7 +9,7 @@ import torch
 import stree
 from stree import capture
 from stree.draft.base import commit_draft, forward_level
-from stree.patch import level_step, tree_step
+from stree.steps import level_step, tree_step
 from stree.tree import TokenTree
 from tests.test_model_hybrid import VOCAB, make_hybrid
 

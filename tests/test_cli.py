@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import stree.checkpoints as checkpoints
 import stree.cli as cli
 from tests.fakes import FakeLM, greedy_reference
 
@@ -197,7 +198,7 @@ def test_unpatchable_model(capsys, tmp_path):
 
 def test_vocabulary_mismatch(capsys, tmp_path, monkeypatch):
     models = {"T": FakeLM(vocab_size=23), "D": FakeLM(vocab_size=25)}
-    monkeypatch.setattr(cli, "load_model", lambda d, *_: models[os.path.basename(d)])
+    monkeypatch.setattr(checkpoints, "load_model", lambda d, *_: models[os.path.basename(d)])
     model_dirs(tmp_path, *models)
     assert_error(capsys, gen("--tokenizer", TARGET, target=str(tmp_path / "T"), draft=str(tmp_path / "D")),
                  "vocabulary mismatch")
@@ -238,15 +239,15 @@ def test_entry_point_prints_one_line_and_debug_shows_the_traceback(tmp_path):
 
 # --------------------------------------------------------------------------- stop ids and BOS
 def test_default_stop_ids_are_every_eos_id(tmp_path):
-    tok = cli.load_tokenizer(TARGET)
+    tok = checkpoints.load_tokenizer(TARGET)
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [128001, 128008]}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
-    assert cli.default_eos(str(tmp_path), tok) == [128001, 128008, 128009]
+    assert checkpoints.default_eos(str(tmp_path), tok) == [128001, 128008, 128009]
     os.remove(tmp_path / "generation_config.json")
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
-    assert cli.default_eos(str(tmp_path), tok) == [7]
+    assert checkpoints.default_eos(str(tmp_path), tok) == [7]
     os.remove(tmp_path / "config.json")  # nothing in the configs: the tokenizer's end-of-text
-    assert cli.default_eos(str(tmp_path), tok) == [tok.token_to_id("<|endoftext|>")]
+    assert checkpoints.default_eos(str(tmp_path), tok) == [tok.token_to_id("<|endoftext|>")]
 
 
 def _word_tokenizer(path, v):
@@ -263,7 +264,7 @@ def test_cli_streams_text_and_prints_stats(tmp_path, monkeypatch, capsys, progre
     target, draft = FakeLM(vocab_size=23), FakeLM(vocab_size=23, noise=1.5)
     tok = _word_tokenizer(tmp_path, 23)
     models = {"T": target, "D": draft}
-    monkeypatch.setattr(cli, "load_model", lambda d, *_: models[os.path.basename(d)])
+    monkeypatch.setattr(checkpoints, "load_model", lambda d, *_: models[os.path.basename(d)])
     model_dirs(tmp_path, *models)
     args = ["generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
             "--prompt", "w1 w2 w3", "--max-new-tokens", "20", "--tree", "beam:3x2",
@@ -278,7 +279,7 @@ def test_cli_streams_text_and_prints_stats(tmp_path, monkeypatch, capsys, progre
 def test_cli_prepends_bos_and_stops_at_any_of_several_ids(tmp_path, monkeypatch, capsys, method):
     target, v = FakeLM(vocab_size=23), 23
     tok = _word_tokenizer(tmp_path, v)
-    monkeypatch.setattr(cli, "load_model", lambda d, *_: target)
+    monkeypatch.setattr(checkpoints, "load_model", lambda d, *_: target)
     model_dirs(tmp_path, "T", "D")
     (tmp_path / "T" / "config.json").write_text(json.dumps({"bos_token_id": 5}))
     ref = greedy_reference(target, [5, 1, 2, 3], 30)  # BOS first, as in the demo
@@ -295,11 +296,11 @@ def test_cli_prepends_bos_and_stops_at_any_of_several_ids(tmp_path, monkeypatch,
 
 
 def test_encode_prompt_adds_bos_once():
-    tok = cli.load_tokenizer(TARGET)
+    tok = checkpoints.load_tokenizer(TARGET)
     ids = tok.encode("def f(x):").ids
-    assert cli.encode_prompt(tok, "def f(x):", 0) == [0] + ids
-    assert cli.encode_prompt(tok, "<|endoftext|>def f(x):", 0) == [0] + ids  # already there
-    assert cli.encode_prompt(tok, "def f(x):", None) == ids
+    assert checkpoints.encode_prompt(tok, "def f(x):", 0) == [0] + ids
+    assert checkpoints.encode_prompt(tok, "<|endoftext|>def f(x):", 0) == [0] + ids  # already there
+    assert checkpoints.encode_prompt(tok, "def f(x):", None) == ids
 
 
 # --------------------------------------------------------------------------------- streaming
@@ -322,7 +323,7 @@ class _CountingTokenizer:
 
 
 def test_streamer_is_incremental_and_exact_for_split_characters():
-    tok = cli.load_tokenizer(TARGET)
+    tok = checkpoints.load_tokenizer(TARGET)
     text = "héllo wörld → 🙂 naïve café ✓ 日本語\n" * 8
     ids = tok.encode(text).ids
     assert any("\ufffd" in tok.decode([i]) for i in ids), "no token splits a character: weak test"
@@ -339,7 +340,7 @@ def test_streamer_is_incremental_and_exact_for_split_characters():
 
 @pytest.mark.parametrize("stdout_tty", [True, False])
 def test_no_progress_bar_between_lines_on_a_terminal(stdout_tty):
-    tok = cli.load_tokenizer(TARGET)
+    tok = checkpoints.load_tokenizer(TARGET)
     ids = tok.encode("line one\nline two\nline three\n").ids
     out, err = _Stream(stdout_tty), _Stream(True)
     s = cli.TextStreamer(tok, len(ids), progress=True, out=out, err=err)
@@ -355,7 +356,7 @@ def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
     generation = sys.modules["stree.generation"]  # the module (stree.generate is the function)
     target = FakeLM(vocab_size=23)
     _word_tokenizer(tmp_path, 23)
-    monkeypatch.setattr(cli, "load_model", lambda d, *_: target)
+    monkeypatch.setattr(checkpoints, "load_model", lambda d, *_: target)
     seen = {}
     real = generation.generate
 
@@ -376,7 +377,7 @@ def test_compile_flag_reaches_generate(tmp_path, monkeypatch, capsys):
 def test_prepack_is_the_default_and_no_prepack_reaches_the_loader(tmp_path, monkeypatch, capsys, flag):
     target, seen = FakeLM(vocab_size=23), []
     _word_tokenizer(tmp_path, 23)
-    monkeypatch.setattr(cli, "load_model",
+    monkeypatch.setattr(checkpoints, "load_model",
                         lambda d, device, dtype, kind, prepack: seen.append(prepack) or target)
     model_dirs(tmp_path, "T", "D")
     rc, _, err = run(capsys, "generate", "--target", str(tmp_path / "T"), "--draft", str(tmp_path / "D"),
@@ -415,7 +416,7 @@ def test_demo_no_prepack_reaches_the_loader(monkeypatch, capsys, flag):
         seen.append(prepack)
         raise ValueError("stop here")  # the flag is all this test needs
 
-    monkeypatch.setattr(cli, "load_model", load_model)
+    monkeypatch.setattr(checkpoints, "load_model", load_model)
     rc, _, err = run(capsys, "demo", "--prompts", "1", *flag)
     assert rc == 1 and "stop here" in err
     assert seen == [not flag]

@@ -105,7 +105,7 @@ def test_caterpillar_runs_only_its_spine_and_commits_paths_ending_at_any_leaf():
     """A caterpillar's draft runs one node per level (its leaves never); a path ending at an
     inner leaf or at the deepest layer is committed by running that leaf once from its parent's
     state, giving the state of token-by-token decoding."""
-    from stree.draft.presets import parse_drafter
+    from stree.draft import parse_drafter
     from stree.sampling import SamplingConfig
 
     model = stree.patch(make_hybrid((1,), seed=11))

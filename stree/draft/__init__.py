@@ -6,7 +6,8 @@ from stree.draft.chain import ChainDrafter
 from stree.draft.dynatree import DynaTree2Drafter, DynaTreeDrafter
 from stree.draft.dyspec import DySpecDrafter
 from stree.draft.merged import MergedDrafter
-from stree.draft.presets import STATIC_TREES, parse_drafter
+from stree.draft.parse import parse_drafter
+from stree.draft.presets import STATIC_TREES
 from stree.draft.static import StaticTreeDrafter
 from stree.draft.suffix import ContextIndex, SuffixDrafter
 from stree.draft.suffix_index import SpeculationConfig, SuffixCache

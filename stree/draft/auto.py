@@ -77,6 +77,7 @@ from torch import Tensor
 from stree.costmodel import ForwardCost, forward_cost
 from stree.draft.base import SAMPLED_MODES, Drafter
 from stree.draft.merged import MergedDrafter, all_chosen
+from stree.draft.presets import parse_tree
 from stree.draft.suffix import ContextIndex, SuffixDrafter
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
@@ -333,12 +334,10 @@ class AutoDrafter(Drafter):
     _planned: str | None = field(init=False, default=None)
 
     def __post_init__(self):
-        from stree.draft.presets import parse_drafter
-
         if not self.candidates:
             raise ValueError("auto drafter needs at least one candidate")
         self.index = self.index if self.index is not None else ContextIndex()
-        self._drafters = {spec: parse_drafter(spec, index=self.index) for spec in self.candidates}
+        self._drafters = {spec: parse_tree(spec, index=self.index) for spec in self.candidates}
         self._shapes = {spec: (d.parents, level_widths(d.parents))
                         for spec, d in ((spec, _model_part(d)) for spec, d in self._drafters.items())
                         if getattr(d, "parents", None)}

@@ -1,4 +1,5 @@
-"""Named drafter presets and the drafter spec strings of the API and CLI.
+"""Named drafter presets and the drafter spec strings of the API and CLI (all but ``"auto"``, which
+:mod:`stree.draft.parse` adds on top: ``auto`` parses its candidates here).
 
 Spec strings: ``"chain:K"``, ``"static:NAME"`` (NAME in :data:`STATIC_TREES`), ``"static:w1,w2,..."``
 (layer widths), ``"caterpillar:c1,c2,..."`` (a chain whose node at depth d has c_d children, the
@@ -69,20 +70,15 @@ _SUFFIX_HELP = ("expected 'suffix:N' (N >= 1 drafted nodes) or 'suffix:N:key=val
                 f"{sorted(_SUFFIX_OPTIONS)}")
 
 
-def parse_drafter(spec: str | Drafter, device=None, *, suffix_cache: SuffixCache | None = None,
-                  draft_model: bool = True, index: ContextIndex | None = None) -> Drafter:
-    """A drafter from a spec string (see the module docstring); a Drafter is returned as is.
-    ``device``: where it will run (``"auto"``'s candidates depend on it); ``suffix_cache``: the
-    earlier outputs its suffix trees also read; ``draft_model``: whether a draft model is given
-    (without one ``"auto"`` picks among suffix trees); ``index``: the per-request suffix index to
-    share (one is made per call otherwise, shared by every suffix tree the spec holds)."""
-    if isinstance(spec, Drafter):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"drafter must be a spec string or a Drafter, got {type(spec).__name__}")
+def parse_tree(spec: str, *, suffix_cache: SuffixCache | None = None,
+               index: ContextIndex | None = None) -> Drafter:
+    """The drafter of a spec string other than ``"auto"`` (see the module docstring; ``"auto"``,
+    which picks among these, is :func:`stree.draft.parse.parse_drafter`'s). ``suffix_cache``: the
+    earlier outputs its suffix trees also read; ``index``: the per-request suffix index to share
+    (one is made per call otherwise, shared by every suffix tree the spec holds)."""
     index = index or ContextIndex(suffix_cache)
     if "+" in spec:
-        return _merged(spec, device, index)
+        return _merged(spec, index)
     kind, _, rest = spec.strip().partition(":")
     if kind == "suffix":
         return SuffixDrafter(suffix_config(rest, spec), index, name=spec.strip())
@@ -101,10 +97,6 @@ def parse_drafter(spec: str | Drafter, device=None, *, suffix_cache: SuffixCache
     if kind == "dynatree" and (m := re.fullmatch(r"(\d+)x(\d+):(\d+)(?::" + _NUM + ")?", rest)):
         return DynaTreeDrafter(int(m[3]), int(m[1]), branch=int(m[2]),
                                tau=float(m[4]) if m[4] else 0.05)
-    if kind == "auto" and not rest:
-        from stree.draft.auto import AutoDrafter, default_candidates  # parses its candidates here
-
-        return AutoDrafter(default_candidates(device, draft_model), index=index)
     if kind == "dynatree2" and (m := re.fullmatch(r"(\d*)", rest)):
         return DynaTree2Drafter(int(m[1] or 32))
     if kind in ("static", "caterpillar") and rest:
@@ -146,13 +138,13 @@ def suffix_config(rest: str, spec: str) -> SpeculationConfig:
         raise ValueError(f"{err} (drafter spec {spec!r})") from None
 
 
-def _merged(spec: str, device, index: ContextIndex) -> Drafter:
+def _merged(spec: str, index: ContextIndex) -> Drafter:
     parts = [p.strip() for p in spec.split("+")]
     suffixes = [p for p in parts if p.startswith("suffix:")]
     models = [p for p in parts if not p.startswith("suffix:")]
     if len(parts) != 2 or len(suffixes) != 1 or models[0] == "auto":
         raise ValueError(f"a merged drafter is one draft model's tree and one suffix tree, as in "
                          f"'caterpillar:2,2,2+suffix:16'; got {spec!r}")
-    base = parse_drafter(models[0], device)
-    suffix = parse_drafter(suffixes[0], device, index=index)
+    base = parse_tree(models[0])
+    suffix = parse_tree(suffixes[0], index=index)
     return MergedDrafter(base, suffix, name=f"{models[0]}+{suffixes[0]}")

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 
 # A child reference is a node id (>= 0) or a lazy pointer -(1 + (sequence id << 32 | position)):
 # the one occurrence of the child's substring ends at ``position`` of that sequence.
-import os
-_ALPHA = float(os.environ.get("ALPHA", "0"))
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
 
@@ -256,12 +254,11 @@ class SuffixTrie:
             if ref < 0:  # one occurrence: its next token
                 sid, pos = _unlazy(ref)
                 seq = seqs.get(sid)
-                p = prob / (1.0 + _ALPHA)
-                if seq is not None and pos + 1 < len(seq) and p >= config.min_prob:
+                if seq is not None and pos + 1 < len(seq) and prob >= config.min_prob:
                     tie += 1
-                    heapq.heappush(heap, (-p, tie, seq[pos + 1], _lazy(sid, pos + 1), parent, d + 1))
+                    heapq.heappush(heap, (-prob, tie, seq[pos + 1], _lazy(sid, pos + 1), parent, d + 1))
                 return
-            total = cont[ref] + _ALPHA
+            total = cont[ref]
             if total <= 0:
                 return
             for tok, c in kids[ref].items():

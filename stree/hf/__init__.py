@@ -91,5 +91,3 @@ def load_tokenizer(directory: str):
 def _read_config(directory: str) -> dict | None:
     return read_json(os.path.join(directory, "config.json")) or None
 
-
-from stree.hf import native  # noqa: E402,F401  (registers transformers' own decoding for method "ar")

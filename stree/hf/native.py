@@ -1,4 +1,4 @@
-"""transformers' own decoding for ``stree.generate(method="ar")`` (registered with :mod:`stree.native`).
+"""transformers' own decoding for ``stree.generate(method="ar")`` (:mod:`stree.native` registers it).
 
 The session is the model's own ``generate`` cut at its decoding loop. ``generate`` itself prepares
 everything, through a ``custom_generate`` callable (transformers' public hook for a decoding
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from stree import native
 from stree.hf import SUPPORTED, _transformers_class
 
 
@@ -61,9 +60,6 @@ def _capture(model, input_ids, logits_processor, stopping_criteria, generation_c
     return generation_config, model_kwargs
 
 
-def _is_transformers_family(model) -> bool:
+def is_transformers_family(model) -> bool:
     cls = _transformers_class(model)
     return cls is not None and cls.__name__ in SUPPORTED
-
-
-native.register(_is_transformers_family, TransformersSession)

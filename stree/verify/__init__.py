@@ -2,10 +2,11 @@
 mss+asps (per draft: asps for sampled chains, mss otherwise)."""
 from stree.verify.asps import ASpSVerifier
 from stree.verify.chain_aware import ChainAwareVerifier
-from stree.verify.base import Verdict, Verifier, default_verifier, get_verifier
+from stree.verify.base import Verdict, Verifier
 from stree.verify.greedy import GreedyVerifier
 from stree.verify.mss import MSSVerifier
 from stree.verify.naive import NaiveVerifier
+from stree.verify.registry import default_verifier, get_verifier
 from stree.verify.sps import SpSVerifier
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""The verdict type, the verifier protocol and registry, and the shared tree walk.
+"""The verdict type, the verifier protocol and the shared tree walk (the registry of verifiers by
+name is :mod:`stree.verify.registry`, above the verifiers).
 
 Every verifier walks the drafted tree from the root: at the current node ``u`` it looks at the
 target logits after the root-to-``u`` path and at ``u``'s children (draft order = index order), and
@@ -16,7 +17,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from stree.draft_types import DRAFT_MODES, Draft
+from stree.draft_types import Draft
 from stree.kernels._common import debug_checks
 from stree.sampling import SamplingConfig
 
@@ -204,42 +205,3 @@ def first_match(step: NodeStep, token: Tensor) -> Tensor:
     c = hit.shape[1]
     first = torch.where(hit, torch.arange(c, device=hit.device), c).min(1).values
     return torch.where(first < c, first, -1)
-
-
-def get_verifier(name_or_obj) -> Verifier:
-    """A verifier by name ("greedy", "mss", "naive", "sps", "asps", "mss+asps"); an object with
-    verify/check as is."""
-    from stree.verify.asps import ASpSVerifier
-    from stree.verify.chain_aware import ChainAwareVerifier
-    from stree.verify.greedy import GreedyVerifier
-    from stree.verify.mss import MSSVerifier
-    from stree.verify.naive import NaiveVerifier
-    from stree.verify.sps import SpSVerifier
-
-    classes = (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier, ASpSVerifier,
-               ChainAwareVerifier)
-    registry = {cls.name: cls for cls in classes}
-    if isinstance(name_or_obj, str):
-        if name_or_obj not in registry:
-            raise ValueError(
-                f"unknown verifier {name_or_obj!r}; expected one of {sorted(registry)}")
-        return registry[name_or_obj]()
-    if all(callable(getattr(name_or_obj, m, None)) for m in ("verify", "check")):
-        return name_or_obj
-    raise TypeError(f"expected a verifier name or an object with verify() and check(), "
-                    f"got {type(name_or_obj).__name__}")
-
-
-def default_verifier(sampling: SamplingConfig, draft_mode: str) -> Verifier:
-    """The lossless verifier with the best acceptance for this (sampling, draft mode) pair."""
-    if draft_mode not in DRAFT_MODES:
-        raise ValueError(f"unknown draft mode {draft_mode!r}; expected one of {DRAFT_MODES}")
-    if sampling.is_greedy:
-        name = "greedy"
-    elif draft_mode == "deterministic":
-        name = "naive"   # the only lossless sampling rule for chosen (not sampled) children
-    elif draft_mode == "chain":
-        name = "sps"
-    else:
-        name = "mss"
-    return get_verifier(name)

@@ -63,7 +63,7 @@ from stree.draft.suffix import ContextIndex
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.speculative import DraftSpec, draft_size, load_draft
-from stree.vllm.trees import DraftedTree
+from stree.vllm.drafted import DraftedTree
 
 GREEDY = SamplingConfig(temperature=0.0)
 # Draft batch sizes compiled at start-up: each costs seconds of compilation on a CPU, and vLLM's

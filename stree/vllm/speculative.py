@@ -125,7 +125,7 @@ def load_draft(directory: str):
     """The patched draft model (CPU, fp32) from a checkpoint directory stree can load."""
     import torch
 
-    from stree.cli import load_model
+    from stree.checkpoints import load_model
 
     return load_model(directory, torch.device("cpu"), torch.float32).eval()
 

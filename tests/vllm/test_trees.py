@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
-from stree.vllm.trees import (CacheLayout, DraftedTree, FlashLayout, TreeRow, TreeStep, tree_attention,
+from stree.vllm.drafted import DraftedTree
+from stree.vllm.trees import (CacheLayout, FlashLayout, TreeRow, TreeStep, tree_attention,
                               tree_conv_update, tree_state_update)
 
 PARENTS = [-1, 0, 0, 1, 1, 3, 2]

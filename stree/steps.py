@@ -1,0 +1,71 @@
+"""What a tree forward and a draft level of a patched model run once their tables are built: the
+model's layers on tensors only (static shapes for a fixed template and span, no host reads).
+:mod:`stree.patch` builds the tables and runs these steps eagerly; :mod:`stree.capture` compiles
+the same functions with ``torch.compile(fullgraph=True)``; both import them from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from stree.layers import attention, mamba2
+from stree.walk import mixers, walk
+
+
+def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
+    """Logits ``(b, n, vocab)`` of the tree ``tokens (b, n)`` and ``{layer: activations}``."""
+    acts = {}
+    attn = attention_tables(model, tables, layers)
+
+    def run(idx, mixer, h):
+        if idx in tables["consts"]:
+            out, acts[idx] = mamba2.tree_forward(mixer, h, layers[idx], tables["mamba"][idx],
+                                                 impl=impl, k=tables["consts"][idx])
+        else:
+            out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)
+        return out
+
+    return walk(model, tokens, run), acts
+
+
+def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict):
+    """Logits ``(b, w, vocab)`` of ``w`` level nodes per row (tokens ``(b, w)``), each run from
+    the :class:`NodeStates` slot ``src (b * w,)`` of ``states`` (its parent's), its own state
+    written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch."""
+    b, w = tokens.shape
+    attn = attention_tables(model, tables, layers)
+
+    def run(idx, mixer, h):
+        if idx not in tables["consts"]:
+            return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
+        ns = states[idx]
+        out, conv, ssm = mamba2.node_step(mixer, h.reshape(b * w, 1, -1),
+                                          ns.conv.index_select(0, src),
+                                          ns.ssm.index_select(0, src), tables["consts"][idx])
+        ns.conv.index_copy_(0, dst, conv)
+        ns.ssm.index_copy_(0, dst, ssm)
+        return out.view(b, w, -1)
+
+    return walk(model, tokens, run)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The step functions a patched model runs: eager by default; ``stree.capture`` installs
+    compiled ones, which need ``static`` shapes (attention over the cache's whole ``capacity``)."""
+    tree: Callable = tree_step
+    level: Callable = level_step
+    static: bool = False
+
+
+EAGER = Steps()
+
+
+def attention_tables(model, tables: dict, layers: dict) -> dict:
+    """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)
+    for its attention layers and their caches ``layers[idx]``."""
+    idxs = [(idx, m) for idx, m in mixers(model) if idx not in tables["consts"]]
+    if not idxs:
+        return {}
+    return attention.tree_tables(adapters=[attention.view(m) for _, m in idxs],
+                                 caches=[layers[idx] for idx, _ in idxs], **tables["tree"])
