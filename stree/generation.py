@@ -399,7 +399,9 @@ class _PackedTarget:
         return self.model.tree_forward(tree, self.cache)
 
     def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
-        self.cache.commit(path, counts)
+        # only the columns some row fills (a view): replay's work follows the accepted length,
+        # not the tree's depth
+        self.cache.commit(path[:, :max(max(counts), 1)], counts)
 
 
 class _UnrolledTarget:
