@@ -2,10 +2,12 @@
 
 Generates from real prompts (the first ``--prompts`` HumanEval problems, or ``--prompt``) with the
 target's own autoregressive decoding (its own prefill and ``step``, see ``stree.native``: the
-baseline), vanilla chain speculative decoding (4 drafted tokens) and STree at temperature 0,
-prints the first prompt's STree text, then tau, tokens/s and the speed-up over the model's own
-decoding summed over the prompts, and checks that every run's text is identical to the other
-methods' on the same prompt (exactness: all must equal the target's greedy output).
+baseline), vanilla chain speculative decoding (4 drafted tokens), STree with the draft's tree,
+STree with a suffix tree and no draft model (``suffix:16``) and STree ``auto`` (the draft's trees
+and suffix trees, chosen per step: the fastest on the shipped pair) at temperature 0, prints the
+first prompt's text, then tau, tokens/s and the speed-up over the model's own decoding summed over
+the prompts, and checks that every run's text is identical to the other methods' on the same
+prompt (exactness: all must equal the target's greedy output).
 
 Several prompts, not one: how much a tree adds over a chain depends on the text (on the shipped
 pair the 4-deep caterpillar's tau is 3-20% above ``chain:4``'s from one HumanEval problem to the

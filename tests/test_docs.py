@@ -38,7 +38,7 @@ PATH_RE = re.compile(r"(?<![\w/.~$-])((?:%s)/[\w.*{},/+-]*)" % "|".join(TOP_DIRS
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 FENCE_RE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 INLINE_RE = re.compile(r"`([^`\n]+)`")
-COMMAND_START = ("stree ", "scripts/venv ", "scripts/venv-vllm ", "python ", "pytest")
+COMMAND_START = ("stree ", "scripts/venv ", "scripts/venv-vllm ", "python ", "pytest", "lint-imports")
 # README placeholder -> what the test puts there (filled by the fixture below).
 PLACEHOLDERS = {"path/to/checkpoint": "hf_target", "path/to/draft": "hf_draft"}
 
@@ -144,6 +144,9 @@ for args in json.loads(sys.argv[1]):
             elif args[0] == "pytest":
                 import pytest
                 code = int(pytest.main(args[1:] + ["--help"]))
+            elif args[0] == "lint-imports":  # import-linter's click command
+                from importlinter.cli import lint_imports_command
+                code = lint_imports_command.main(args[1:] + ["--help"], standalone_mode=False)
             elif args[1] == "-m":  # python -m MODULE ARGS...
                 sys.argv = [args[2]] + args[3:] + ["--help"]
                 runpy.run_module(args[2], run_name="__main__", alter_sys=True)
@@ -181,7 +184,7 @@ def test_commands_run_with_help():
                 if " ".join(args) in first:
                     continue  # run literally below
                 args = args[1:]
-            assert args[0] in ("stree", "python", "pytest"), (
+            assert args[0] in ("stree", "python", "pytest", "lint-imports"), (
                 f"{rel(doc)} shows {' '.join(args)!r}: teach tests/test_docs.py to check it")
             if args[0] == "python" and args[1] != "-m":
                 assert (REPO / args[1]).is_file(), f"{rel(doc)}: no script {args[1]}"
