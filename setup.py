@@ -12,7 +12,9 @@ setup(
         "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=...)
         "triton>=3.1",
         "einops",
-        "transformers==5.23.0",
+        # tested: 5.23.0 (scripts/venv, the main suite) and vLLM 0.32's 5.19 (scripts/venv-vllm,
+        # tests/vllm); a range, so that stree installs next to the vLLM a user already has
+        "transformers>=5.19,<5.24",
         "safetensors",
         "mamba-ssm>=2.2.4",
     ],

@@ -70,10 +70,14 @@ def register() -> None:
         patch_cpu_spec_ops()
         patch_cpu_prefix_caching()
         patch_cpu_expand()
-    # tree specs: stree's tree verification inside the engine (wraps the ops patched above)
+    # tree specs: stree's tree verification inside the engine: the runner's two hooks, and the
+    # layers vLLM builds (an attention backend in vLLM's registry, an out-of-tree Mamba2 mixer)
+    from stree.vllm import attention, mixer
     from stree.vllm.trees import patch_trees
 
     patch_trees()
+    attention.register()
+    mixer.register()
     model_config.get_config = _route(model_config.get_config)
     _registered = True
 

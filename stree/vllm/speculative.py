@@ -130,11 +130,11 @@ def load_draft(directory: str):
     return load_model(directory, torch.device("cpu"), torch.float32).eval()
 
 
-def translate(config: dict, target_vocab_size: int, enforce_eager: bool = False) -> dict:
+def translate(config: dict, target_vocab_size: int) -> dict:
     """stree's speculative dict -> vLLM's custom-proposer dict (and the environment variable).
 
     Raises ValueError (unknown key, missing draft, tree spec, vocabulary mismatch, trees on a
-    GPU without ``STREE_VLLM_GPU_TREES=1`` and ``enforce_eager``, the engine's setting) or the
+    GPU without ``STREE_VLLM_GPU_TREES=1``) or the
     draft loader's error, all before any engine process starts.
     """
     from stree.inputs import vocab_size
@@ -168,16 +168,11 @@ def translate(config: dict, target_vocab_size: int, enforce_eager: bool = False)
     if spec.stree_verifies:
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            where = f"speculative_config tree={spec.tree!r}, verifier={spec.verifier!r}"
-            if os.environ.get(GPU_TREES) != "1":
-                raise ValueError(f"{where}: stree verifies inside vLLM with vLLM's CPU attention backend only so "
-                                 f"far (its FlashAttention path is written but has never run on a GPU: "
-                                 f"{GPU_TREES}=1 with enforce_eager=True tries it); use a chain ('chain:4') "
-                                 "with vLLM's SpS here")
-            if not enforce_eager:
-                raise ValueError(f"{where}: {GPU_TREES}=1 needs enforce_eager=True (vLLM's CUDA graphs would "
-                                 "replay attention without the tree mask)")
+        if not current_platform.is_cpu() and os.environ.get(GPU_TREES) != "1":
+            raise ValueError(f"speculative_config tree={spec.tree!r}, verifier={spec.verifier!r}: stree verifies "
+                             f"inside vLLM with vLLM's CPU attention backend only so far (its FlashAttention "
+                             f"backend is written but has never run on a GPU: {GPU_TREES}=1 tries it, under "
+                             "vLLM's piecewise CUDA graphs); use a chain ('chain:4') with vLLM's SpS here")
     if config.get("num_speculative_tokens") not in (None, k):
         raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
                          f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")
@@ -211,7 +206,7 @@ def patch_engine_args() -> None:
         config = self.speculative_config
         if isinstance(config, dict) and config.get("method") == "stree":
             self.speculative_config = translate({k.replace("-", "_"): v for k, v in config.items()},
-                                                target_model_config.get_vocab_size(), self.enforce_eager)
+                                                target_model_config.get_vocab_size())
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config._stree = True

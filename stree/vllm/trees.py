@@ -125,15 +125,37 @@ class _ScanGroup:
 
 
 @dataclass
+class MambaRows:
+    """Where this step's trees sit among vLLM's Mamba2 decode rows: what every Mamba2 layer of the
+    step reads, built once per step from the (shared) Mamba metadata.
+
+    groups: per :class:`TreeGroup`, ``(decode rows (b,), state slot table rows (b, 1 + K), accepted
+    counts (b,), start slots (b,))``: the rows' slots, the last step's accepted counts (the conv
+    window starts at column ``num_accepted - 1``) and the SSM slot each tree starts from.
+    handled: the decode rows that are trees. masked: the slot table with those rows set to vLLM's
+    null block (vLLM's own ops then leave them alone); None when every decode row is a tree.
+    tokens: ``(t,)`` the query token indices of every tree node.
+    """
+
+    groups: list[tuple[TreeGroup, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    handled: list[int]
+    masked: torch.Tensor | None
+    tokens: torch.Tensor
+
+
+@dataclass
 class TreeStep:
-    """This engine step's trees (keyed by the first token index of each request's query) and what
-    the layers kept for the commit."""
+    """This engine step's trees (keyed by the first token index of each request's query), the
+    per-step tables every layer shares (built once, on first use), and what the layers kept for
+    the commit."""
 
     rows: dict[int, TreeRow]
     kv: list[tuple] = field(default_factory=list)  # (key_cache, value_cache, layout, slot_mapping)
     conv: list[_ConvGroup] = field(default_factory=list)
     scan: list[_ScanGroup] = field(default_factory=list)
     _contexts: dict = field(default_factory=dict)
+    _rests: dict = field(default_factory=dict)
+    _mamba: dict = field(default_factory=dict)
     _groups: list[TreeGroup] | None = None
 
     def groups(self) -> list[TreeGroup]:
@@ -147,6 +169,30 @@ class TreeStep:
                 index = torch.tensor([tr.start for tr in rows])[:, None] + torch.arange(len(parents))
                 self._groups.append(TreeGroup(rows, index, parents))
         return self._groups
+
+    def mamba_rows(self, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+                   num_accepted: torch.Tensor, null_block: int) -> MambaRows:
+        """:class:`MambaRows` of vLLM's decode metadata (``query_start_loc (d + 1,)``, the slot
+        table ``(d, 1 + K)``, ``num_accepted (d,)``); built once per step (the layers share the
+        metadata)."""
+        key = id(query_start_loc)
+        if key not in self._mamba:
+            decode = {start: i for i, start in enumerate(query_start_loc.tolist()[:-1]) if start in self.rows}
+            if len(decode) != len(self.rows):
+                raise RuntimeError("stree: a tree request is missing from vLLM's Mamba decode rows")
+            groups = []
+            for g in self.groups():
+                rows = torch.tensor([decode[tr.start] for tr in g.rows])
+                table, accepted = state_indices[rows].long(), num_accepted[rows].long()
+                groups.append((g, rows, table, accepted, start_slots(table, accepted)))
+            handled = sorted(decode.values())
+            masked = None
+            if len(handled) < state_indices.shape[0]:
+                masked = state_indices.clone()
+                masked[handled] = null_block
+            tokens = torch.cat([g.index.flatten() for g in self.groups()])
+            self._mamba[key] = MambaRows(groups, handled, masked, tokens)
+        return self._mamba[key]
 
     def contexts(self, metadata, block: int) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
         """Per tree group of an attention layer's ``metadata``: the KV blocks holding each
@@ -170,6 +216,24 @@ class TreeStep:
                 out.append((g, blocks, allowed.to(blocks.device)))
             self._contexts[key] = out
         return self._contexts[key]
+
+    def rest(self, metadata, build):
+        """The batch's other rows (prefills, requests without a tree) as a sub-batch of an
+        attention layer's ``metadata``: ``(token indices (t,), its metadata)``, the metadata made
+        by ``build(rows, token index, query_start_loc, seq_lens)``; None when every row is a
+        tree. Built once per step and metadata."""
+        key = id(metadata.query_start_loc)
+        if key not in self._rests:
+            starts = metadata.query_start_loc.tolist()
+            rows = [r for r in range(len(starts) - 1) if starts[r] not in self.rows]
+            if not rows:
+                self._rests[key] = None
+            else:
+                spans = [torch.arange(starts[r], starts[r + 1]) for r in rows]
+                tokens = torch.cat(spans)
+                loc = torch.tensor([0] + [len(t) for t in spans]).cumsum(0).to(metadata.query_start_loc.dtype)
+                self._rests[key] = (tokens, build(torch.tensor(rows), tokens, loc, metadata.seq_lens[rows]))
+        return self._rests[key]
 
     def covers(self, num_rows: int) -> bool:
         """Whether all ``num_rows`` requests of a batch (or of vLLM's decode rows, where every tree
@@ -367,64 +431,42 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     step.kv.append((key_cache, value_cache, layout, metadata.slot_mapping))
 
 
-def _decode_rows(step: TreeStep, query_start_loc: torch.Tensor) -> dict[int, int]:
-    """``{query start: decode row}`` of the tree requests among vLLM's decode rows (which come
-    first in its batch, so their token offsets are the batch's; a tree query of 1 + n <= 1 + K
-    tokens is always a decode row)."""
-    rows = {bos: i for i, bos in enumerate(query_start_loc.tolist()[:-1]) if bos in step.rows}
-    if len(rows) != len(step.rows):
-        raise RuntimeError("stree: a tree request is missing from vLLM's Mamba decode rows")
-    return rows
+def tree_conv_rows(x, conv_state, weight, bias, activation, rows: MambaRows, step: TreeStep) -> torch.Tensor:
+    """Tree conv of the tree rows of vLLM's decode tokens, one call per tree shape.
 
-
-def tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
-                     query_start_loc, step: TreeStep) -> tuple[torch.Tensor, list[int]]:
-    """Tree conv for the tree rows of vLLM's decode batch, one call per tree shape.
-
-    x: (tokens, dim) pre-conv inputs; conv_state: (slots, dim, width - 1 + K); weight (dim,
-    width). Writes the tree rows of the returned ``out`` (tokens, dim); returns it and the decode
-    rows handled, which the caller masks out of vLLM's own op. The conv state is not written.
-    """
+    x: (tokens, dim) pre-conv inputs; conv_state: vLLM's (slots, dim, width - 1 + K), read from
+    each tree's window at column ``num_accepted - 1``, not written; weight (dim, width). Returns
+    (tokens, dim), the tree tokens' rows written; the inputs the commit replays are kept."""
     out = torch.empty_like(x)
     width = weight.shape[1]
-    decode = _decode_rows(step, query_start_loc)
-    state_slots = conv_state_indices[:, 0].tolist()
-    for g in step.groups():
-        rows = [decode[tr.start] for tr in g.rows]
-        slots = [state_slots[i] for i in rows]
-        window = conv_windows(conv_state, torch.tensor(slots), num_accepted_tokens[rows], width)
+    act = "silu" if activation in ("silu", "swish", True) else None
+    for g, _, table, accepted, _ in rows.groups:
+        window = conv_windows(conv_state, table[:, 0], accepted, width)
         committed = F.pad(window, (1, 0))  # mamba layout: width columns, the first unused
         tables = g.tree(x.device).conv_scan_tables(width, x.shape[1])  # cached on the template
         xbc = x[g.index]
-        y = tree_conv(xbc, committed.to(x.dtype), weight, bias, tables["window"],
-                      activation="silu" if activation in ("silu", "swish", True) else None,
-                      gather_index=tables["gather"])
-        out[g.index] = y
-        step.conv.append(_ConvGroup(g, conv_state, slots, window, xbc))
-    return out, sorted(decode.values())
+        out[g.index] = tree_conv(xbc, committed.to(x.dtype), weight, bias, tables["window"], activation=act,
+                                 gather_index=tables["gather"])
+        step.conv.append(_ConvGroup(g, conv_state, table[:, 0].tolist(), window, xbc))
+    return out
 
 
-def tree_state_update(ssm_state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_batch_indices,
-                      num_accepted_tokens, cu_seqlens, out, step: TreeStep) -> list[int]:
-    """Tree scan for the tree rows of vLLM's decode batch, one call per tree shape (vLLM's
-    per-head-dim expanded operands: x, dt, out (tokens, h, p); A (h, p, n); B, C (tokens, g, n);
-    D, dt_bias (h, p)). Writes ``out`` rows, not the state; returns the decode rows handled."""
-    a_h = A[:, 0, 0].float()
-    decode = _decode_rows(step, cu_seqlens)
-    all_slots = state_batch_indices.tolist()
-    for g in step.groups():
-        rows = [decode[tr.start] for tr in g.rows]
-        slots = [all_slots[i] for i in rows]
-        # the state after the request's last accepted token, in slot num_accepted - 1
-        h0 = ssm_state[start_slots(torch.tensor(slots), num_accepted_tokens[rows])].float()
+def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step: TreeStep) -> torch.Tensor:
+    """Tree scan of the tree rows of vLLM's decode tokens, one call per tree shape: x (tokens, h,
+    p), dt (tokens, h) before softplus and bias, A, D, dt_bias (h,), B, C (tokens, g, n); each
+    tree starts from the SSM slot the last step's accepted tokens left. Returns (tokens, h, p),
+    the tree tokens' rows written; the state is not written, what the commit replays is kept."""
+    out = x.new_empty(x.shape)
+    a_h = A.float()
+    for g, _, table, _, start in rows.groups:
+        h0 = ssm_state[start].float()
         xs, bs = x[g.index], B[g.index]
         tree = g.tree(x.device)
-        y, dt_out = tree_scan(xs, dt[:, :, 0][g.index], a_h, bs, C[g.index], tree.mask, D=D,
-                              dt_bias=None if dt_bias is None else dt_bias[:, 0], dt_softplus=dt_softplus,
+        y, dt_out = tree_scan(xs, dt[g.index], a_h, bs, C[g.index], tree.mask, D=D, dt_bias=dt_bias, dt_softplus=True,
                               initial_states=h0, tables=None if x.is_cuda else tree.scan_tables())
         out[g.index] = y.to(out.dtype)
-        step.scan.append(_ScanGroup(g, ssm_state, slots, h0, xs, dt_out, a_h, bs))
-    return sorted(decode.values())
+        step.scan.append(_ScanGroup(g, ssm_state, table.tolist(), h0, xs, dt_out, a_h, bs))
+    return out
 
 
 def verified_by_stree(params) -> bool:
@@ -451,7 +493,9 @@ def _tree_proposer(runner):
 
 
 def patch_trees() -> None:
-    """Install the wrappers of the module docstring (each leaves steps without trees to vLLM)."""
+    """Install the runner's two hooks of the module docstring (steps without trees go to vLLM's
+    own code); the layers' tree rows are the registered attention backend's and Mamba2 mixer's
+    (:mod:`stree.vllm.attention`, :mod:`stree.vllm.mixer`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original_prepare = GPUModelRunner._prepare_inputs
@@ -504,99 +548,3 @@ def patch_trees() -> None:
     _prepare_inputs._stree = True
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._sample = _sample
-    _patch_mamba_ops()
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        _patch_cpu_attention()
-    elif current_platform.is_cuda():  # never run; refused at start-up unless asked for (speculative.translate)
-        _patch_flash_attention()
-
-
-def _patch_mamba_ops() -> None:
-    import vllm.model_executor.layers.mamba.mamba_mixer2 as mixer2
-    from vllm.model_executor.layers.mamba.ops.causal_conv1d import NULL_BLOCK_ID
-
-    conv_next, scan_next = mixer2.causal_conv1d_update, mixer2.selective_state_update
-
-    def conv_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
-                    num_accepted_tokens=None, query_start_loc=None, null_block_id=NULL_BLOCK_ID, **kwargs):
-        step = current()
-        if step is None or num_accepted_tokens is None or query_start_loc is None:
-            return conv_next(x, conv_state, weight, bias, activation, conv_state_indices=conv_state_indices,
-                             num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
-                             null_block_id=null_block_id, **kwargs)
-        out, handled = tree_conv_update(x, conv_state, weight, bias, activation, conv_state_indices,
-                                        num_accepted_tokens, query_start_loc, step)
-        if step.covers(query_start_loc.shape[0] - 1):
-            return out
-        rest = conv_state_indices.clone()
-        rest[handled] = null_block_id
-        chain = conv_next(x, conv_state, weight, bias, activation, conv_state_indices=rest,
-                          num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
-                          null_block_id=null_block_id, **kwargs)
-        starts = query_start_loc.tolist()
-        for i in handled:
-            chain[starts[i]:starts[i + 1]] = out[starts[i]:starts[i + 1]]
-        return chain
-
-    def state_update(state, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, state_batch_indices=None,
-                     dst_state_batch_indices=None, null_block_id=NULL_BLOCK_ID, out=None, num_accepted_tokens=None,
-                     cu_seqlens=None, **kwargs):
-        step = current()
-        if step is not None and num_accepted_tokens is not None and cu_seqlens is not None and out is not None:
-            handled = tree_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, state_batch_indices,
-                                        num_accepted_tokens, cu_seqlens, out, step)
-            if step.covers(cu_seqlens.shape[0] - 1):
-                return out
-            if handled:
-                state_batch_indices = state_batch_indices.clone()
-                state_batch_indices[handled] = null_block_id
-                dst_state_batch_indices = state_batch_indices
-        return scan_next(state, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                         state_batch_indices=state_batch_indices, dst_state_batch_indices=dst_state_batch_indices,
-                         null_block_id=null_block_id, out=out, num_accepted_tokens=num_accepted_tokens,
-                         cu_seqlens=cu_seqlens, **kwargs)
-
-    mixer2.causal_conv1d_update = conv_update
-    mixer2.selective_state_update = state_update
-
-
-def _patch_cpu_attention() -> None:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    def split(impl, kv_cache):  # (blocks, kv_heads, 2 * block_size, head_dim): K blocks, then V
-        blocks, kv_heads, block_size, _ = kv_cache.size()
-        return kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-
-    _wrap_attention(CPUAttentionBackendImpl, split, None)
-
-
-def _patch_flash_attention() -> None:
-    """The tree rows on vLLM's FlashAttention backend (GPU), as on the CPU one. Written against
-    vLLM 0.32's layout, which :func:`tree_attention` is tested on with CPU tensors; never run on a
-    GPU (``STREE_VLLM_GPU_TREES``, see :mod:`stree.vllm.speculative`)."""
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-
-    def split(impl, kv_cache):  # as FlashAttentionImpl.forward splits it
-        return kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
-
-    _wrap_attention(FlashAttentionImpl, split, FlashLayout)
-
-
-def _wrap_attention(impl_class, split, layout) -> None:
-    """After ``impl_class.forward`` (skipped when every row is a tree), recompute the tree rows
-    under the tree mask over the K and V caches ``split(impl, kv_cache)`` of ``layout``."""
-    original = impl_class.forward
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        step = current()
-        if step is None or attn_metadata is None:
-            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if not step.covers(attn_metadata.query_start_loc.shape[0] - 1):  # other rows: vLLM's kernel first
-            original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        key_cache, value_cache = split(self, kv_cache)
-        tree_attention(self, layer, query, key_cache, value_cache, attn_metadata, output, step, layout)
-        return output
-
-    impl_class.forward = forward

@@ -146,13 +146,16 @@ def test_draft_vocabulary_mismatch_refused_at_start_up(tmp_path):
     assert "draft's vocabulary (1000 tokens" in err and "target's (4096)" in err
 
 
-def test_trees_on_a_gpu_need_the_opt_in_and_eager_mode(monkeypatch):
+def test_trees_on_a_gpu_need_the_opt_in_not_eager_mode(monkeypatch):
     """stree's tree verification on vLLM's FlashAttention backend has never run on a GPU: there,
-    a tree (or a stree-verified chain) is refused unless ``STREE_VLLM_GPU_TREES=1`` asks for it,
-    and then only with ``enforce_eager`` (CUDA graphs would replay attention without the tree
-    mask); vLLM-verified chains pass."""
+    a tree (or a stree-verified chain) is refused unless ``STREE_VLLM_GPU_TREES=1`` asks for it;
+    then it starts without ``enforce_eager``: the tree backend declares no CUDA-graph support, so
+    vLLM captures the model piecewise, attention and the Mamba2 mixer eager between the pieces.
+    vLLM-verified chains pass."""
+    from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.platforms import current_platform
 
+    from stree.vllm.attention import flash_backend
     from stree.vllm.speculative import ENV, GPU_TREES, translate
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
@@ -160,9 +163,26 @@ def test_trees_on_a_gpu_need_the_opt_in_and_eager_mode(monkeypatch):
     monkeypatch.delenv(GPU_TREES, raising=False)
     tree = {"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2"}
     with pytest.raises(ValueError, match=f"CPU attention backend only so far .*{GPU_TREES}=1"):
-        translate(tree, 4096, enforce_eager=True)
+        translate(tree, 4096)
     assert translate({"method": "stree", "model": DRAFT, "tree": "chain:4"}, 4096)["method"] == "custom_class"
     monkeypatch.setenv(GPU_TREES, "1")
-    with pytest.raises(ValueError, match="needs enforce_eager=True"):
-        translate(tree, 4096, enforce_eager=False)
-    assert translate(tree, 4096, enforce_eager=True)["num_speculative_tokens"] == 4
+    assert translate(tree, 4096)["num_speculative_tokens"] == 4
+    builder = flash_backend().get_builder_cls()
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+
+
+def test_the_layers_are_registered_in_vllms_registries():
+    """The plugin puts its tree attention backend and Mamba2 mixer where vLLM looks them up (its
+    backend registry, its out-of-tree layer registry), not in wrappers around vLLM's functions;
+    the runner is V1 (vLLM 0.32 keeps Model Runner V2 off for a custom proposer)."""
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from stree.vllm import plugin
+    from stree.vllm.attention import TreeCPUAttentionBackend
+    from stree.vllm.mixer import TreeMambaMixer2
+
+    plugin.register()
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is TreeCPUAttentionBackend
+    mixer = MambaMixer2.__new__(MambaMixer2)
+    assert type(mixer) is TreeMambaMixer2

@@ -1,8 +1,8 @@
-"""stree.vllm.trees without an engine: the tree rows of vLLM's Mamba2 decode ops and of its CPU
-attention, and the commit, against plain per-path recurrences written here (each root-to-node
-path run token by token as a sequence), on vLLM's own state and KV-cache layouts. Each step holds
-three requests: two trees of one shape (run as one batch) with different accepted paths, and a
-chain."""
+"""stree.vllm.trees without an engine: the tree rows of the Mamba2 mixer and of the attention
+backend, and the commit, against plain per-path recurrences written here (each root-to-node path
+run token by token as a sequence), on vLLM's own state and KV-cache layouts. Each step holds three
+requests: two trees of one shape (run as one batch) with different accepted paths, and a chain;
+where the Mamba2 rows sit among vLLM's decode rows is read once per step (``mamba_rows``)."""
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.drafted import DraftedTree
-from stree.vllm.trees import (CacheLayout, FlashLayout, TreeRow, TreeStep, tree_attention,
-                              tree_conv_update, tree_state_update)
+from stree.vllm.trees import (CacheLayout, FlashLayout, TreeRow, TreeStep, tree_attention, tree_conv_rows,
+                              tree_scan_rows)
 
 PARENTS = [-1, 0, 0, 1, 1, 3, 2]
 CHAIN = [-1, 0, 1, 2]
@@ -52,9 +52,10 @@ def test_tree_conv_equals_each_path_as_a_sequence_and_commits_the_path():
     slots, accepted = [1, 4, 2], [2, 1, 3]  # last step's accepted counts: windows start at column a - 1
     indices = torch.tensor([[s] + [0] * k for s in slots])
     step = _step()
-    out, handled = tree_conv_update(x, conv_state, weight, bias, "silu", indices, torch.tensor(accepted),
-                                    torch.tensor(STARTS + [TOKENS]), step)
-    assert handled == [0, 1, 2] and torch.equal(conv_state, before)  # nothing written while verifying
+    rows = step.mamba_rows(torch.tensor(STARTS + [TOKENS]), indices, torch.tensor(accepted), -1)
+    out = tree_conv_rows(x, conv_state, weight, bias, "silu", rows, step)
+    assert rows.handled == [0, 1, 2] and rows.masked is None
+    assert torch.equal(conv_state, before)  # nothing written while verifying
     assert len(step.groups()) == 2  # the two trees of one shape ran as one batch
     for (parents, _), start, slot, a in zip(REQUESTS, STARTS, slots, accepted):
         window = before[slot, :, a - 1:a - 1 + width - 1]
@@ -83,14 +84,10 @@ def test_tree_scan_equals_each_path_as_a_sequence_and_commits_the_path():
     x, dt = torch.randn(TOKENS, h, p), torch.randn(TOKENS, h)
     A, dt_bias, D = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
     B, C = torch.randn(TOKENS, g, n), torch.randn(TOKENS, g, n)
-    out = torch.zeros(TOKENS, h, p)
     step = _step()
-    # vLLM's decode operands are expanded over the head dimension
-    expand = (lambda t: t[:, :, None].expand(-1, -1, p))
-    handled = tree_state_update(state, x, expand(dt), A[:, None, None].expand(h, p, n), B, C, D[:, None].expand(h, p),
-                                dt_bias[:, None].expand(h, p), True, torch.tensor(slots), torch.tensor(accepted),
-                                torch.tensor(STARTS + [TOKENS]), out, step)
-    assert handled == [0, 1, 2] and torch.equal(state, before)
+    rows = step.mamba_rows(torch.tensor(STARTS + [TOKENS]), torch.tensor(slots), torch.tensor(accepted), -1)
+    out = tree_scan_rows(state, x, dt, A, B, C, D, dt_bias, rows, step)
+    assert rows.handled == [0, 1, 2] and torch.equal(state, before)
 
     def run(h0, tokens):
         s = h0.clone()
@@ -187,3 +184,17 @@ def _read(cache, index, slots):
     block = index.shape[0]
     regions = cache.reshape(cache.shape[0], cache.shape[1], -1)
     return regions[(slots // block)[:, None], :, index[slots % block]].permute(0, 2, 1)
+
+
+def test_rows_of_other_requests_are_left_to_vllm():
+    """A decode row without a tree (here the fourth, a request vLLM drafts for as a chain) keeps
+    its slots for vLLM's own ops; the tree rows' are set to the null block, which those ops
+    skip. Built once per step: every layer reads the same object."""
+    step = _step()
+    table = torch.tensor([[1, 0], [4, 0], [2, 0], [7, 0]])
+    starts = torch.tensor(STARTS + [TOKENS, TOKENS + 2])
+    rows = step.mamba_rows(starts, table, torch.tensor([1, 1, 1, 1]), -1)
+    assert rows.handled == [0, 1, 2]
+    assert rows.masked.tolist() == [[-1, -1], [-1, -1], [-1, -1], [7, 0]] and table[0, 0] == 1
+    assert step.mamba_rows(starts, table, torch.tensor([1, 1, 1, 1]), -1) is rows
+    assert sorted(rows.tokens.tolist()) == list(range(TOKENS))

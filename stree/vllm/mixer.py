@@ -1,0 +1,70 @@
+"""vLLM's Mamba2 mixer with tree rows: registered in place of ``MambaMixer2`` (vLLM's
+``PluggableLayer.register_oot``), so every Mamba2 layer vLLM builds (its Mamba2 family and
+stree's MambaInLlama model) is this class.
+
+Outside a tree step it is vLLM's mixer unchanged. In a step with trees (:mod:`stree.vllm.trees`)
+its ``conv_ssm_forward`` (the part of the layer that runs inside vLLM's ``mamba_mixer2`` op, which
+vLLM's compilation keeps out of its graphs) runs each tree's nodes with stree's tree conv and tree
+scan from the committed state, nothing written, keeping what the commit replays; the batch's other
+rows (prefills, requests without a tree) go through vLLM's own code with the tree rows' state slots
+set to vLLM's null block, which its ops skip. Where the tree rows sit among the decode rows, their
+slots and start states are read once per step (:meth:`~stree.vllm.trees.TreeStep.mamba_rows`)
+and shared by every layer: per layer and tree shape the work is the gathers, the conv, the scan
+and the output writes.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+from vllm.model_executor.layers.mamba.ops.causal_conv1d import NULL_BLOCK_ID
+
+from stree.vllm.trees import current, tree_conv_rows, tree_scan_rows
+
+
+class TreeMambaMixer2(MambaMixer2):
+    """``MambaMixer2`` that verifies token trees (see the module docstring)."""
+
+    def conv_ssm_forward(self, projected_states: torch.Tensor, output: torch.Tensor):
+        step = current()
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if step is None or metadata is None or not metadata.num_decodes:
+            return super().conv_ssm_forward(projected_states, output)
+        rows = step.mamba_rows(metadata.query_start_loc_d, metadata.state_indices_tensor_d,
+                               metadata.num_accepted_tokens, NULL_BLOCK_ID)
+        d = metadata.num_decode_tokens
+        xbc, dt = torch.split(projected_states[..., self.tped_intermediate_size:],
+                              [self.tped_conv_size, self.tped_dt_size], dim=-1)
+        conv_state = self.kv_cache[0] if _conv_dim_first() else self.kv_cache[0].transpose(-1, -2)
+        conv = tree_conv_rows(xbc[:d], conv_state, self.conv_weights, self.conv1d.bias, self.activation, rows, step)
+        x, B, C = self.split_hidden_states_B_C_fn(conv)
+        heads, groups = self.num_heads // self.tp_size, self.n_groups // self.tp_size
+        y = tree_scan_rows(self.kv_cache[1], x.view(d, heads, self.head_dim), dt[:d], self.A,
+                           B.view(d, groups, -1), C.view(d, groups, -1), self.D, self.dt_bias, rows, step)
+        if rows.masked is not None or metadata.num_prefills:  # other rows: vLLM's own code
+            table = metadata.state_indices_tensor_d
+            if rows.masked is not None:
+                metadata.state_indices_tensor_d = rows.masked
+            try:
+                super().conv_ssm_forward(projected_states, output)
+            finally:
+                metadata.state_indices_tensor_d = table
+        out = output[:d].view(d, heads, self.head_dim)
+        out[rows.tokens] = y[rows.tokens].to(out.dtype)
+
+
+def _conv_dim_first() -> bool:
+    """vLLM's conv-state layout (as ``MambaMixer2.conv_ssm_forward`` reads it)."""
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+
+    return mamba_mixer2.is_conv_state_dim_first()
+
+
+def register() -> None:
+    """Make vLLM build this class wherever it builds ``MambaMixer2`` (once per process)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    if op_registry_oot.get("MambaMixer2") is not TreeMambaMixer2:
+        MambaMixer2.register_oot(TreeMambaMixer2, name="MambaMixer2")
