@@ -125,22 +125,30 @@ class _ScanGroup:
 
 
 @dataclass
+class RowGroup:
+    """One tree shape's requests among vLLM's Mamba2 decode rows: their state slot tables
+    ``table (b, 1 + K)`` (and as host lists), the last step's accepted counts ``accepted (b,)``
+    (the conv window starts at column ``num_accepted - 1``) and the SSM slot each tree starts
+    from ``start (b,)``."""
+
+    group: TreeGroup
+    table: torch.Tensor
+    accepted: torch.Tensor
+    start: torch.Tensor
+    slots: list[list[int]]
+
+
+@dataclass
 class MambaRows:
     """Where this step's trees sit among vLLM's Mamba2 decode rows: what every Mamba2 layer of the
-    step reads, built once per step from the (shared) Mamba metadata.
+    step reads, built once per step from the (shared) Mamba metadata. groups: one
+    :class:`RowGroup` per tree shape; handled: the decode rows that are trees; masked: the slot
+    table with those rows set to vLLM's null block (vLLM's own ops then leave them alone), None
+    when every decode row is a tree."""
 
-    groups: per :class:`TreeGroup`, ``(decode rows (b,), state slot table rows (b, 1 + K), accepted
-    counts (b,), start slots (b,))``: the rows' slots, the last step's accepted counts (the conv
-    window starts at column ``num_accepted - 1``) and the SSM slot each tree starts from.
-    handled: the decode rows that are trees. masked: the slot table with those rows set to vLLM's
-    null block (vLLM's own ops then leave them alone); None when every decode row is a tree.
-    tokens: ``(t,)`` the query token indices of every tree node.
-    """
-
-    groups: list[tuple[TreeGroup, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    groups: list[RowGroup]
     handled: list[int]
     masked: torch.Tensor | None
-    tokens: torch.Tensor
 
 
 @dataclass
@@ -184,14 +192,13 @@ class TreeStep:
             for g in self.groups():
                 rows = torch.tensor([decode[tr.start] for tr in g.rows])
                 table, accepted = state_indices[rows].long(), num_accepted[rows].long()
-                groups.append((g, rows, table, accepted, start_slots(table, accepted)))
+                groups.append(RowGroup(g, table, accepted, start_slots(table, accepted), table.tolist()))
             handled = sorted(decode.values())
             masked = None
             if len(handled) < state_indices.shape[0]:
                 masked = state_indices.clone()
                 masked[handled] = null_block
-            tokens = torch.cat([g.index.flatten() for g in self.groups()])
-            self._mamba[key] = MambaRows(groups, handled, masked, tokens)
+            self._mamba[key] = MambaRows(groups, handled, masked)
         return self._mamba[key]
 
     def contexts(self, metadata, block: int) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
@@ -440,33 +447,34 @@ def tree_conv_rows(x, conv_state, weight, bias, activation, rows: MambaRows, ste
     out = torch.empty_like(x)
     width = weight.shape[1]
     act = "silu" if activation in ("silu", "swish", True) else None
-    for g, _, table, accepted, _ in rows.groups:
-        window = conv_windows(conv_state, table[:, 0], accepted, width)
+    for rg in rows.groups:
+        g = rg.group
+        window = conv_windows(conv_state, rg.table[:, 0], rg.accepted, width)
         committed = F.pad(window, (1, 0))  # mamba layout: width columns, the first unused
         tables = g.tree(x.device).conv_scan_tables(width, x.shape[1])  # cached on the template
         xbc = x[g.index]
         out[g.index] = tree_conv(xbc, committed.to(x.dtype), weight, bias, tables["window"], activation=act,
                                  gather_index=tables["gather"])
-        step.conv.append(_ConvGroup(g, conv_state, table[:, 0].tolist(), window, xbc))
+        step.conv.append(_ConvGroup(g, conv_state, [t[0] for t in rg.slots], window, xbc))
     return out
 
 
-def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step: TreeStep) -> torch.Tensor:
-    """Tree scan of the tree rows of vLLM's decode tokens, one call per tree shape: x (tokens, h,
-    p), dt (tokens, h) before softplus and bias, A, D, dt_bias (h,), B, C (tokens, g, n); each
-    tree starts from the SSM slot the last step's accepted tokens left. Returns (tokens, h, p),
-    the tree tokens' rows written; the state is not written, what the commit replays is kept."""
-    out = x.new_empty(x.shape)
+def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step: TreeStep, out) -> None:
+    """Tree scan of the tree rows of vLLM's decode tokens, one call per tree shape: x and
+    ``out`` (tokens, h, p), dt (tokens, h) before softplus and bias, A, D, dt_bias (h,), B, C
+    (tokens, g, n); each tree starts from the SSM slot the last step's accepted tokens left.
+    Writes the tree tokens' rows of ``out``; the state is not written, what the commit replays
+    is kept."""
     a_h = A.float()
-    for g, _, table, _, start in rows.groups:
-        h0 = ssm_state[start].float()
+    for rg in rows.groups:
+        g = rg.group
+        h0 = ssm_state[rg.start].float()
         xs, bs = x[g.index], B[g.index]
         tree = g.tree(x.device)
         y, dt_out = tree_scan(xs, dt[g.index], a_h, bs, C[g.index], tree.mask, D=D, dt_bias=dt_bias, dt_softplus=True,
                               initial_states=h0, tables=None if x.is_cuda else tree.scan_tables())
         out[g.index] = y.to(out.dtype)
-        step.scan.append(_ScanGroup(g, ssm_state, table.tolist(), h0, xs, dt_out, a_h, bs))
-    return out
+        step.scan.append(_ScanGroup(g, ssm_state, rg.slots, h0, xs, dt_out, a_h, bs))
 
 
 def verified_by_stree(params) -> bool:
