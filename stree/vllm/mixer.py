@@ -34,9 +34,20 @@ class TreeMambaMixer2(MambaMixer2):
             return super().conv_ssm_forward(projected_states, output)
         rows = step.mamba_rows(metadata.query_start_loc_d, metadata.state_indices_tensor_d,
                                metadata.num_accepted_tokens, NULL_BLOCK_ID)
-        if rows.masked is not None or metadata.num_prefills:
-            # the other rows first, by vLLM's own code (the tree rows' slots masked: their states
-            # stay as they are, their outputs are overwritten below)
+        d = metadata.num_decode_tokens
+        heads, groups = self.num_heads // self.tp_size, self.n_groups // self.tp_size
+        # the tree rows first: vLLM's ops below work in place on the projected inputs
+        xbc, dt = torch.split(projected_states[..., self.tped_intermediate_size:],
+                              [self.tped_conv_size, self.tped_dt_size], dim=-1)
+        conv_state = self.kv_cache[0] if _conv_dim_first() else self.kv_cache[0].transpose(-1, -2)
+        conv = tree_conv_rows(xbc[:d], conv_state, self.conv_weights, self.conv1d.bias, self.activation, rows, step)
+        x, B, C = self.split_hidden_states_B_C_fn(conv)
+        out = output[:d].view(d, heads, self.head_dim)
+        others = rows.masked is not None or metadata.num_prefills
+        y = out.new_empty(out.shape) if others else out
+        tree_scan_rows(self.kv_cache[1], x.view(d, heads, self.head_dim), dt[:d], self.A, B.view(d, groups, -1),
+                       C.view(d, groups, -1), self.D, self.dt_bias, rows, step, out=y)
+        if others:  # then the other rows, by vLLM's own code, the tree rows' slots masked
             table = metadata.state_indices_tensor_d
             if rows.masked is not None:
                 metadata.state_indices_tensor_d = rows.masked
@@ -44,16 +55,7 @@ class TreeMambaMixer2(MambaMixer2):
                 super().conv_ssm_forward(projected_states, output)
             finally:
                 metadata.state_indices_tensor_d = table
-        d = metadata.num_decode_tokens
-        xbc, dt = torch.split(projected_states[..., self.tped_intermediate_size:],
-                              [self.tped_conv_size, self.tped_dt_size], dim=-1)
-        conv_state = self.kv_cache[0] if _conv_dim_first() else self.kv_cache[0].transpose(-1, -2)
-        conv = tree_conv_rows(xbc[:d], conv_state, self.conv_weights, self.conv1d.bias, self.activation, rows, step)
-        x, B, C = self.split_hidden_states_B_C_fn(conv)
-        heads, groups = self.num_heads // self.tp_size, self.n_groups // self.tp_size
-        tree_scan_rows(self.kv_cache[1], x.view(d, heads, self.head_dim), dt[:d], self.A, B.view(d, groups, -1),
-                       C.view(d, groups, -1), self.D, self.dt_bias, rows, step,
-                       out=output[:d].view(d, heads, self.head_dim))
+            out[rows.tokens] = y[rows.tokens]
 
 
 def _conv_dim_first() -> bool:

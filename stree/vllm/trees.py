@@ -150,6 +150,11 @@ class MambaRows:
     handled: list[int]
     masked: torch.Tensor | None
 
+    @property
+    def tokens(self) -> torch.Tensor:
+        """``(t,)`` the query token indices of every tree node."""
+        return torch.cat([rg.group.index.flatten() for rg in self.groups])
+
 
 @dataclass
 class TreeStep:
