@@ -5,9 +5,12 @@
              target.tree_forward(tree) -> logits (b, n, v); verifier -> Verdict          [verify]
              emit accepted tokens + next token (EOS and max_new_tokens truncate)
              target cache.commit(path): activation replay                               [replay]
-             draft cache.commit(path), or re-run the path as a chain when it reaches
-             the deepest draft layer, which the draft never forwarded                    [draft]
+             draft cache.commit(path) over what the draft ran; the rest (suffix-tree
+             nodes, steps without the draft) prefilled before the draft next drafts      [draft]
              root <- next token
+
+Drafts come from the draft model, from suffix tries of the text (no draft model), or both
+merged (``stree.draft``): with no draft model the draft side does nothing but read the text.
 
 The methods share that loop and its statistics and differ only in the drafter and the target side:
 
@@ -34,8 +37,8 @@ from torch import Tensor
 from stree import capture, native
 from stree.cache import SEQLEN_CHUNK
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
-from stree.draft.suffix_index import SuffixCache
 from stree.draft.base import commit_draft
+from stree.draft.suffix_index import SuffixCache
 from stree.inputs import stop_ids, token_id, token_ids, vocab_size
 from stree.limits import cap_new_tokens, context_limit
 from stree.sampling import SamplingConfig, sample
@@ -260,8 +263,7 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
             logits = side.logits(d.tree)
             verdict = verifier.verify(d, logits, sampling, generator)
         stats.target_calls += 1
-        # the step's one device read: accepted tokens, the next token and the path's last node
-        # of every row
+        # the step's one device read: accepted tokens, the next token and the path of every row
         k = verdict.path.shape[1]
         read = torch.cat([d.tree.path_tokens(verdict.path)[:, 1:], verdict.next_token[:, None],
                           verdict.path], dim=1).tolist()
