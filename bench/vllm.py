@@ -6,7 +6,11 @@ suffix trees without it, both merged), vLLM's ngram and, where arctic-inference 
 Per prompt set, temperature and batch size (1: one request at a time; 4: four concurrent requests),
 each method (``METHODS``; ``stree-tree-solo`` is the CPU default tree under vLLM's batch-size
 schedule, drafting only while a request runs alone) runs in its own engine (a child process, as
-vLLM needs; start-up is not timed), after one warm-up request: tokens/s (new tokens over wall time
+vLLM needs; start-up is not timed), after one warm-up request on a text outside the prompt sets.
+Methods whose drafts read earlier requests' outputs (suffix trees, vLLM's suffix) get a fresh
+engine for every (temperature, batch) cell, so that no cell drafts from an earlier cell's outputs
+for the same prompts (within a cell, later prompts may draft from earlier ones, as a server's
+would). Reported: tokens/s (new tokens over wall time
 of the timed requests), tau (tokens per target call: 1 + accepted / drafts, from vLLM's counters)
 and mean per-request latency. Engines run in vLLM's default mode, which compiles the model
 (``enforce_eager=False``; stree's proposer then compiles the draft's levels too), 1.3-1.7x faster
@@ -39,11 +43,20 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     # suffix trees: no draft model; merged with the default tree's draft
     "stree-suffix": {"method": "stree", "tree": "suffix:16"},
+    "stree-suffix-solo": {"method": "stree", "tree": "suffix:16",
+                          "num_speculative_tokens_per_batch_size": [[1, 1, 15], [2, 4, 0]]},
     "stree-merged": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2+suffix:16"},
     # vLLM's own SuffixDecoding (one path per request; needs the arctic-inference package)
     "vllm-suffix": {"method": "suffix", "num_speculative_tokens": 16},
 }
 MARK = "BENCH-RESULT "
+# the warm-up request: a text in none of the prompt sets, so that no draft reads its output
+WARM_UP = "The weather report for the coast this weekend says"
+
+
+def _reads_outputs(spec_config) -> bool:
+    """Whether a method drafts from earlier requests' outputs (a cross-request suffix cache)."""
+    return bool(spec_config) and (spec_config["method"] == "suffix" or "suffix" in spec_config.get("tree", ""))
 
 
 def _engine(args) -> None:
@@ -62,28 +75,27 @@ def _engine(args) -> None:
         return {m.name: m.value for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
 
-    llm.generate(spec["prompts"][:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
+    llm.generate([WARM_UP], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     cells = []
-    for temperature in spec["temperatures"]:
+    for temperature, batch in spec["cells"]:
         # no per-request seed (the engine has one): stree drafts a seeded sampled request alone
         params = SamplingParams(temperature=temperature, max_tokens=spec["max_new_tokens"])
-        for batch in spec["batches"]:
-            before = counters()
-            tokens, latencies, start = [], [], time.perf_counter()
-            for i in range(0, len(spec["prompts"]), batch):
-                t0 = time.perf_counter()
-                outs = llm.generate(spec["prompts"][i:i + batch], params, use_tqdm=False)
-                latencies += [time.perf_counter() - t0] * len(outs)
-                tokens += [list(o.outputs[0].token_ids) for o in outs]
-            wall = time.perf_counter() - start
-            after = counters()
-            drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
-            accepted = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
-                        - before.get("vllm:spec_decode_num_accepted_tokens", 0))
-            cells.append(dict(temperature=temperature, batch=batch, new_tokens=sum(map(len, tokens)),
-                              wall_s=wall, tokens_per_s=sum(map(len, tokens)) / wall,
-                              tau=1 + accepted / drafts if drafts else 1.0,
-                              latency_s=sum(latencies) / len(latencies), tokens=tokens))
+        before = counters()
+        tokens, latencies, start = [], [], time.perf_counter()
+        for i in range(0, len(spec["prompts"]), batch):
+            t0 = time.perf_counter()
+            outs = llm.generate(spec["prompts"][i:i + batch], params, use_tqdm=False)
+            latencies += [time.perf_counter() - t0] * len(outs)
+            tokens += [list(o.outputs[0].token_ids) for o in outs]
+        wall = time.perf_counter() - start
+        after = counters()
+        drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+        accepted = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
+                    - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+        cells.append(dict(temperature=temperature, batch=batch, new_tokens=sum(map(len, tokens)),
+                          wall_s=wall, tokens_per_s=sum(map(len, tokens)) / wall,
+                          tau=1 + accepted / drafts if drafts else 1.0,
+                          latency_s=sum(latencies) / len(latencies), tokens=tokens))
     print(MARK + json.dumps(cells), flush=True)
 
 
@@ -119,15 +131,17 @@ def main(argv=None) -> int:
         reference = None
         for method in args.methods:
             spec_config = METHODS[method] and json.loads(json.dumps(METHODS[method]).replace("{draft}", args.draft))
-            child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
-                         enforce_eager=args.enforce_eager, temperatures=args.temperatures, batches=args.batches,
-                         max_new_tokens=args.max_new_tokens)
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
-                                  capture_output=True, text=True)
-            if proc.returncode:
-                sys.stderr.write(proc.stderr[-20000:])
-                return proc.returncode
-            cells = json.loads([line for line in proc.stdout.splitlines() if line.startswith(MARK)][-1][len(MARK):])
+            all_cells = [[t, b] for t in args.temperatures for b in args.batches]
+            cells = []
+            for group in ([[c] for c in all_cells] if _reads_outputs(spec_config) else [all_cells]):
+                child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
+                             enforce_eager=args.enforce_eager, cells=group, max_new_tokens=args.max_new_tokens)
+                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
+                                      capture_output=True, text=True)
+                if proc.returncode:
+                    sys.stderr.write(proc.stderr[-20000:])
+                    return proc.returncode
+                cells += json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)][-1][len(MARK):])
             if method == "ar":
                 reference = {(c["temperature"], c["batch"]): c["tokens"] for c in cells}
             for c in cells:

@@ -6,6 +6,7 @@
 * ``bench/model_verify.py --tiny --device cpu``: both model sections, checked outputs, result files.
 * ``bench/prepack.py`` on the same tiny pair: per-shape linear timings, both variants end to end
   and the crossover's decoding steps.
+* ``bench/vllm.py``'s split of methods into engines (its runs need the vLLM environment).
 """
 import csv
 import gzip
@@ -129,6 +130,20 @@ def test_method_specs():
                           "--compile"])
     assert [m.label for m in cfg.methods] == ["ar", "tree:static:2,2", "tree:dyspec:8",
                                               "ar+compile", "tree:static:2,2+compile"]
+
+
+def test_vllm_bench_gives_cache_readers_an_engine_per_cell():
+    # methods that draft from earlier requests' outputs must not read an earlier cell's outputs of
+    # the same prompts; bench/vllm.py is loaded by path (its name would shadow the vllm package)
+    spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "bench" / "vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    readers = {m for m, config in bench.METHODS.items() if bench._reads_outputs(config)}
+    assert readers == {"stree-suffix", "stree-suffix-solo", "stree-merged", "vllm-suffix"}
+    from stree.prompts import load_prompts
+
+    # the warm-up request's output seeds the engine's cache: its text is in no prompt set
+    assert not any(bench.WARM_UP in prompt for name in ("humaneval", "mtbench") for prompt in load_prompts(name))
 
 
 def test_first_mismatch_names_prompt_method_and_position():
