@@ -5,7 +5,7 @@ Methods (``--methods``), all through ``stree.generate`` with batch size 1, one p
 * ``ar``: the target's own autoregressive decoding at its best (``stree.native``: the hybrid's own
   prefill + ``step``; mamba_ssm's own forward with its ``InferenceParams``, replaying the CUDA graph
   of ``generate(cg=True)`` on a GPU), one token per target call: the baseline of every speed-up;
-* ``ar-tree``: stree's 1-node tree path (a root-only tree through ``tree_forward`` + ``commit``), to
+* ``ar-tree``: stree's 1-node tree path (a root-only tree, run as a one-node level + ``commit``), to
   show stree's own per-step overhead; not a baseline;
 * ``chain:K``: vanilla speculative decoding with a K-token draft chain (speculative sampling at T > 0);
 * ``tree:SPEC``: STree with drafter SPEC (``static:fig4a``, ``beam:4x3``, ``dyspec:16``,

@@ -1,7 +1,7 @@
 """The model's own autoregressive decoding: the baseline every speed-up is measured against.
 
 ``stree.generate(method="ar")`` runs this, not stree's tree path (that is ``method="ar-tree"``: a
-root-only tree through ``tree_forward`` + ``commit``, kept to isolate stree's own overhead). Each
+root-only tree through stree's loop and ``commit``, kept to isolate stree's own overhead). Each
 model family decodes with its own code at its best:
 
 * ``stree.hybrid.MambaInLlamaForCausalLM``: its own ``forward(ids, cache)`` prefill and ``step``
