@@ -405,7 +405,8 @@ class _PackedTarget:
             # decoding for a root-only loop on the shipped target)
             device = self.cache.lengths.device
             root = torch.zeros(tree.batch_size, 1, dtype=torch.long, device=device)
-            return self.model.level_forward(tree.to(device), self.cache, root, first=True)
+            tree = tree if tree.device == device else tree.to(device)
+            return self.model.level_forward(tree, self.cache, root, first=True)
         return self.model.tree_forward(tree, self.cache)
 
     def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
