@@ -49,18 +49,20 @@ def _timers():
                 acc[label][1] += 1
         setattr(owner, name, timed)
 
-    wrap(LLMEngine, "step", "engine step")
-    wrap(GPUModelRunner, "_prepare_inputs", "  prepare inputs (+ stree tree tables)")
-    wrap(GPUModelRunner, "_model_forward", "  model forward")
-    wrap(attention, "tree_attention", "    tree rows: attention")
-    wrap(mixer, "tree_conv_rows", "    tree rows: Mamba2 conv")
-    wrap(mixer, "tree_scan_rows", "    tree rows: Mamba2 scan")
-    wrap(GPUModelRunner, "_sample", "  sample (+ stree verify and commit)")
-    wrap(TreeStep, "verify", "    stree verify")
-    wrap(TreeStep, "commit", "    stree commit")
-    wrap(GPUModelRunner, "propose_draft_token_ids", "  propose")
-    wrap(StreeProposer, "_catch_up", "    draft catch-up")
-    wrap(StreeProposer, "_draft", "    drafting (draft levels, suffix lookups)")
+    parts = [(LLMEngine, "step", "engine step"),
+             (GPUModelRunner, "_prepare_inputs", "  prepare inputs (+ stree tree tables)"),
+             (GPUModelRunner, "_model_forward", "  model forward"),
+             (attention, "tree_attention", "    tree rows: attention"),
+             (mixer, "tree_conv_rows", "    tree rows: Mamba2 conv"),
+             (mixer, "tree_scan_rows", "    tree rows: Mamba2 scan"),
+             (GPUModelRunner, "_sample", "  sample (+ stree verify and commit)"),
+             (TreeStep, "verify", "    stree verify"),
+             (TreeStep, "commit", "    stree commit"),
+             (GPUModelRunner, "propose_draft_token_ids", "  propose"),
+             (StreeProposer, "_catch_up", "    draft catch-up"),
+             (StreeProposer, "_draft", "    drafting (draft levels, suffix lookups)")]
+    for owner, name, label in parts:
+        wrap(owner, name, label)
     return acc
 
 
