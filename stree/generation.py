@@ -19,9 +19,9 @@ The methods share that loop and its statistics and differ only in the drafter an
   T > 0): vanilla speculative decoding with activation replay.
 * ``"ar"``: the model's own autoregressive decoding (:mod:`stree.native`), the honest baseline;
   no draft model, same statistics (one target call per token).
-* ``"ar-tree"``: stree's 1-node tree path (a root-only tree, which the loop runs as a one-node
-  ``level_forward`` + ``commit``, as it runs every step whose drafter proposes nothing) and no
-  draft model: what the loop costs without drafting, not a baseline.
+* ``"ar-tree"``: stree's 1-node tree path (a root-only tree through ``tree_forward`` + ``commit``,
+  as every step whose drafter proposes nothing) and no draft model: what the loop costs without
+  drafting, not a baseline.
 * ``"unrolled"``: the drafted tree's root-to-leaf paths as separate batch rows of chains (FSS on
   unrolled sequences); same drafts and verdicts as ``"tree"``, for correctness comparisons.
 """
@@ -399,14 +399,6 @@ class _PackedTarget:
         return _prefill(self.model, self.cache, prompts)
 
     def logits(self, tree: TokenTree) -> Tensor:
-        if tree.num_nodes == 1 and hasattr(self.model, "level_forward"):
-            # a root alone (no drafts this step): as a one-node level, whose state is kept, so
-            # the commit sets it instead of replaying the root (0.80x -> 0.87x the model's own
-            # decoding for a root-only loop on the shipped target)
-            device = self.cache.lengths.device
-            root = torch.zeros(tree.batch_size, 1, dtype=torch.long, device=device)
-            tree = tree if tree.device == device else tree.to(device)
-            return self.model.level_forward(tree, self.cache, root, first=True)
         return self.model.tree_forward(tree, self.cache)
 
     def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
