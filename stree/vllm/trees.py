@@ -37,6 +37,7 @@ it then takes this path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +151,7 @@ class MambaRows:
     handled: list[int]
     masked: torch.Tensor | None
 
-    @property
+    @cached_property  # read by every Mamba2 layer of the step
     def tokens(self) -> torch.Tensor:
         """``(t,)`` the query token indices of every tree node."""
         return torch.cat([rg.group.index.flatten() for rg in self.groups])
