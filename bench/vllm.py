@@ -4,9 +4,10 @@ suffix trees without it, both merged), vLLM's ngram and, where arctic-inference 
     scripts/venv-vllm python bench/vllm.py --prompts humaneval mtbench --limit 8 --max-new-tokens 128
 
 Per prompt set, temperature and batch size (1: one request at a time; 4: four concurrent requests),
-each method (``METHODS``; ``stree-tree-solo`` is the CPU default tree under vLLM's batch-size
-schedule, drafting only while a request runs alone) runs in its own engine (a child process, as
-vLLM needs; start-up is not timed), after one warm-up request on a text outside the prompt sets.
+each method (``METHODS``; stree's run under its CPU default schedule, drafting only while a
+request runs alone, unless named ``-every``) runs in its own engine (a child process, as
+vLLM needs; start-up is not timed), after warm-up requests (alone, and as many together as the
+largest batch) on a text outside the prompt sets.
 Methods whose drafts read earlier requests' outputs (suffix trees, vLLM's suffix) get a fresh
 engine for every (temperature, batch) cell, so that no cell drafts from an earlier cell's outputs
 for the same prompts (within a cell, later prompts may draft from earlier ones, as a server's
@@ -31,20 +32,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# stree's methods without a schedule run under its CPU default, drafting while a request runs
+# alone; the "-every" ones draft at every batch size (vLLM's schedule with one range up to 4)
 METHODS = {
     "ar": None,
     "stree-chain": {"method": "stree", "model": "{draft}", "tree": "chain:4"},
     "stree-chain-asps": {"method": "stree", "model": "{draft}", "tree": "chain:4", "verifier": "asps"},
     "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2"},  # the CPU default
+    "stree-tree-every": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2",
+                         "num_speculative_tokens_per_batch_size": [[1, 4, 6]]},
     "stree-tree4": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2,2"},
-    # vLLM's batch-size schedule: the CPU default tree while a request runs alone, no drafting beside others
-    "stree-tree-solo": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2",
-                        "num_speculative_tokens_per_batch_size": [[1, 1, 6], [2, 4, 0]]},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     # suffix trees: no draft model; merged with the default tree's draft
     "stree-suffix": {"method": "stree", "tree": "suffix:16"},
-    "stree-suffix-solo": {"method": "stree", "tree": "suffix:16",
-                          "num_speculative_tokens_per_batch_size": [[1, 1, 15], [2, 4, 0]]},
+    "stree-suffix-every": {"method": "stree", "tree": "suffix:16",
+                           "num_speculative_tokens_per_batch_size": [[1, 4, 15]]},
     "stree-merged": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2+suffix:16"},
     # vLLM's own SuffixDecoding (one path per request; needs the arctic-inference package)
     "vllm-suffix": {"method": "suffix", "num_speculative_tokens": 16},
@@ -75,7 +77,10 @@ def _engine(args) -> None:
         return {m.name: m.value for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
 
-    llm.generate([WARM_UP], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    # warm-up at the largest batch too: a batch size's first steps pay one-time costs (its kernels'
+    # set-up), which would fall on whichever cell runs it first
+    for batch in sorted({1, max(b for _, b in spec["cells"])}):
+        llm.generate([WARM_UP] * batch, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     cells = []
     for temperature, batch in spec["cells"]:
         # no per-request seed (the engine has one): stree drafts a seeded sampled request alone
@@ -109,7 +114,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vllm-suffix"],
+    parser.add_argument("--methods", nargs="+",
+                        default=["ar", "stree-chain", "stree-tree", "stree-tree-every", "ngram", "stree-suffix",
+                                 "stree-suffix-every", "stree-merged"],
                         choices=list(METHODS), help="vllm-suffix needs the arctic-inference package")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (no torch.compile)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))

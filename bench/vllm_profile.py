@@ -2,8 +2,8 @@
 
     scripts/venv-vllm python bench/vllm_profile.py --methods ar stree-tree stree-suffix
 
-One in-process engine per method (vLLM's default compiled mode, batch 1, greedy, the first
-``--limit`` HumanEval prompts, one warm-up request first), with wall-clock timers wrapped around
+One in-process engine per method (vLLM's default compiled mode, greedy, the first ``--limit``
+HumanEval prompts ``--batch`` at a time (default 1), one warm-up request first), with wall-clock timers wrapped around
 the engine's step and the parts of it that stree adds or replaces: the model runner's input
 preparation (with stree's tree tables), the model forward (with the tree rows of the registered
 attention backend and Mamba2 mixer, timed separately), the sampling (with stree's verification
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=["ar", "stree-tree", "stree-suffix"])
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="prompts submitted together (at most 4)")
     parser.add_argument("--method", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.method is None:  # one child process per method: one engine per process
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, where the timers are
         for method in args.methods:
             code = subprocess.run([sys.executable, __file__, "--method", method, "--limit", str(args.limit),
-                                   "--max-new-tokens", str(args.max_new_tokens)], env=env).returncode
+                                   "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.batch)], env=env).returncode
             if code:
                 return code
         return 0
@@ -101,8 +102,10 @@ def main(argv=None) -> int:
     llm.generate([bench.WARM_UP], params, use_tqdm=False)
     acc = _timers()
     tokens = 0
-    for prompt in load_prompts("humaneval", args.limit):
-        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    prompts = load_prompts("humaneval", args.limit)
+    for i in range(0, len(prompts), args.batch):
+        outputs = llm.generate(prompts[i:i + args.batch], params, use_tqdm=False)
+        tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
     steps = acc["engine step"][1]
     print(f"\n{args.method}: {tokens} tokens in {steps} engine steps ({tokens / steps:.2f} tokens per step)")
     for label, (seconds, _) in acc.items():

@@ -144,22 +144,42 @@ def _one_token_each(starts: torch.Tensor) -> bool:
     return bool(((starts[1:] - starts[:-1]) == 1).all())
 
 
-def _windows_to_column_zero(conv_state: torch.Tensor, slots: torch.Tensor, num_accepted_tokens: torch.Tensor,
-                            width: int, null_block_id: int) -> None:
-    """Move each request's conv window (``width - 1`` columns from ``num_accepted - 1``) to column 0."""
+class _PerStep:
+    """A value computed once per step from vLLM's per-step metadata tensors, not once per layer.
+
+    vLLM hands every Mamba2 layer of a step the same metadata tensors (fresh slices of its
+    buffers each step). The last key's tensors are kept alive, so a later step's tensors cannot
+    be the same objects: an identity match means the same step."""
+
+    def __init__(self, compute):
+        self.compute, self.key, self.value = compute, (), None
+
+    def __call__(self, *key):
+        if len(key) != len(self.key) or any(a is not b for a, b in zip(key, self.key)):
+            self.key, self.value = key, self.compute(*key)
+        return self.value
+
+
+def _conv_plan(query_start_loc, conv_state_indices, num_accepted_tokens, null_block_id):
+    """For a speculative conv call: None if some request has drafts; else each request's slot and
+    the rows whose window must first move to column 0 (``(slots, accepted)``, or None)."""
+    if not _one_token_each(query_start_loc):
+        return None
+    slots = conv_state_indices[:, 0].contiguous()
     move = ((num_accepted_tokens[:len(slots)] > 1) & (slots != null_block_id)).nonzero()[:, 0]
-    if len(move):
-        slot = slots[move].long()
-        conv_state[slot, :, :width - 1] = conv_windows(conv_state, slot, num_accepted_tokens[move], width)
+    return slots, ((slots[move].long(), num_accepted_tokens[move]) if len(move) else None)
 
 
-def _states_to_column_zero(state: torch.Tensor, table: torch.Tensor, num_accepted_tokens: torch.Tensor,
-                           null_block_id: int) -> None:
-    """Move each request's SSM state from slot ``table[i, num_accepted - 1]`` to ``table[i, 0]``."""
+def _state_plan(cu_seqlens, table, num_accepted_tokens, null_block_id):
+    """For a speculative SSM-state call: None if some request has drafts; else each request's
+    first slot (``(b, 1)``, dense: the C++ op reads it so) and the moves of the states left at
+    slot ``num_accepted - 1`` to slot 0 (``(dst, src)``, or None)."""
+    if not _one_token_each(cu_seqlens):
+        return None
     move = ((num_accepted_tokens[:len(table)] > 1) & (table[:, 0] != null_block_id)).nonzero()[:, 0]
-    if len(move):
-        rows = table[move].long()
-        state[rows[:, 0]] = state[start_slots(rows, num_accepted_tokens[move])]
+    rows = table[move].long()
+    moves = (rows[:, 0], start_slots(rows, num_accepted_tokens[move])) if len(move) else None
+    return table[:, :1].contiguous(), moves
 
 
 def patch_cpu_spec_ops() -> None:
@@ -177,15 +197,18 @@ def patch_cpu_spec_ops() -> None:
     if getattr(original, "_stree", False):
         return
     original_ssu = mixer2.selective_state_update
+    conv_plan, state_plan = _PerStep(_conv_plan), _PerStep(_state_plan)
 
     def conv_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
                     num_accepted_tokens=None, query_start_loc=None, null_block_id=NULL_BLOCK_ID, **kwargs):
         if num_accepted_tokens is None or query_start_loc is None:
             return original(x, conv_state, weight, bias, activation, conv_state_indices=conv_state_indices,
                             query_start_loc=query_start_loc, null_block_id=null_block_id, **kwargs)
-        if _one_token_each(query_start_loc):
-            width, slots = weight.shape[1], conv_state_indices[:, 0].contiguous()
-            _windows_to_column_zero(conv_state, slots, num_accepted_tokens, width, null_block_id)
+        plan = conv_plan(query_start_loc, conv_state_indices, num_accepted_tokens, null_block_id)
+        if plan is not None:
+            width, (slots, moves) = weight.shape[1], plan
+            if moves is not None:
+                conv_state[moves[0], :, :width - 1] = conv_windows(conv_state, *moves, width)
             return original(x, conv_state[:, :, :width - 1], weight, bias, activation, conv_state_indices=slots,
                             query_start_loc=query_start_loc, null_block_id=null_block_id, **kwargs)
         return spec_conv_update(x, conv_state, weight, bias, activation, conv_state_indices,
@@ -200,9 +223,11 @@ def patch_cpu_spec_ops() -> None:
                                 dst_state_batch_indices=dst_state_batch_indices, null_block_id=null_block_id,
                                 out=out, num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens, **kwargs)
         # vLLM passes the same (b, 1 + K) table as source and destination
-        if _one_token_each(cu_seqlens):
-            _states_to_column_zero(state, state_batch_indices, num_accepted_tokens, null_block_id)
-            first = state_batch_indices[:, :1].contiguous()  # the C++ op reads the index densely
+        plan = state_plan(cu_seqlens, state_batch_indices, num_accepted_tokens, null_block_id)
+        if plan is not None:
+            first, moves = plan
+            if moves is not None:
+                state[moves[0]] = state[moves[1]]
             return original_ssu(state, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                 state_batch_indices=first, dst_state_batch_indices=first,
                                 null_block_id=null_block_id, out=out, **kwargs)

@@ -21,7 +21,8 @@ picks its tree from timings of stree's own decoding loop. vLLM's own
 ``num_speculative_tokens_per_batch_size`` schedule (``[[first, last, K], ...]`` over the number of
 requests a step runs) passes through: where it gives 0 the proposer drafts nothing (no draft work
 at all, see :meth:`stree.vllm.proposer.StreeProposer.propose`), where it gives fewer than the
-tree's tokens vLLM verifies the first ones in topological order (a subtree). Exactness of the
+tree's tokens vLLM verifies the first ones in topological order (a subtree). On the CPU a config
+without one gets :func:`alone_only` (drafting while a request runs alone). Exactness of the
 Mamba layers under speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and
 :mod:`stree.vllm.accepted_counts`.
 """
@@ -137,6 +138,8 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     GPU without ``STREE_VLLM_GPU_TREES=1``) or the
     draft loader's error, all before any engine process starts.
     """
+    from vllm.platforms import current_platform
+
     from stree.inputs import vocab_size
     from stree.sampling import SamplingConfig
 
@@ -166,8 +169,6 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     except ValueError as err:
         raise ValueError(f"speculative_config['verifier']={spec.verifier!r} with tree {spec.tree!r}: {err}") from None
     if spec.stree_verifies:
-        from vllm.platforms import current_platform
-
         if not current_platform.is_cpu() and os.environ.get(GPU_TREES) != "1":
             raise ValueError(f"speculative_config tree={spec.tree!r}, verifier={spec.verifier!r}: stree verifies "
                              f"inside vLLM with vLLM's CPU attention backend only so far (its FlashAttention "
@@ -182,16 +183,26 @@ def translate(config: dict, target_vocab_size: int) -> dict:
                          f"differs from the target's ({target_vocab_size}): draft and target must share "
                          "one tokenizer")
     out = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
-    if config.get(SCHEDULE) is not None:
+    schedule = config.get(SCHEDULE)
+    if schedule is None and current_platform.is_cpu():
+        schedule = alone_only(k)
+    if schedule is not None:
         # vLLM checks a schedule only when its scheduler starts (inside the engine process)
         from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
 
         try:
-            out[SCHEDULE] = validate_and_normalize_dynamic_sd_schedule(config[SCHEDULE])
+            out[SCHEDULE] = validate_and_normalize_dynamic_sd_schedule(schedule)
         except ValueError as err:
             raise ValueError(f"speculative_config['{SCHEDULE}']: {err}") from None
     spec.to_env()
     return out
+
+
+def alone_only(k: int) -> list[tuple[int, int, int]]:
+    """The CPU default schedule: ``k`` draft tokens while a request runs alone, none beside others
+    (vLLM carries the last range's 0 up to its largest batch). On this CPU vLLM's batching pays
+    more than speculation as soon as two requests share a step (docs/vllm.md)."""
+    return [(1, 1, k), (2, 2, 0)]
 
 
 def patch_engine_args() -> None:

@@ -548,6 +548,11 @@ def patch_trees() -> None:
 
         step = current()
         begin(None)
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            # no request has drafts (a batch-size schedule turned drafting off, or none drafted):
+            # the rejection sampler would only sample each row's bonus token; vLLM's own sampler
+            # does that alone (0.1-0.2 ms less per step on this CPU)
+            spec_decode_metadata = None
         if step is None or spec_decode_metadata is None:
             return original_sample(self, logits, spec_decode_metadata)
         if step.covers(self.input_batch.num_reqs):  # no rejection sampler needed

@@ -33,10 +33,23 @@ def result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1][len(MARK):])
 
 
+def every_step(engine: dict) -> dict:
+    """``engine`` with stree drafting at every batch size where its speculative config sets no
+    schedule: the CPU default drafts only while a request runs alone, and the engine tests are
+    about batches of trees (the default itself: tests/vllm/test_plugin.py)."""
+    from stree.vllm.speculative import SCHEDULE, DraftSpec, draft_size
+
+    spec = engine.get("speculative_config")
+    if not spec or spec.get("method") != "stree" or SCHEDULE in spec:
+        return engine
+    k = draft_size(str(spec.get("tree", DraftSpec.tree)))
+    return {**engine, "speculative_config": {**spec, SCHEDULE: [[1, 1 << 10, k]]}}
+
+
 def _main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**{**ENGINE_DEFAULTS, **spec["engine"]})
+    llm = LLM(**every_step({**ENGINE_DEFAULTS, **spec["engine"]}))
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["prompts"]]
     lengths = spec.get("max_tokens")  # per-request max_tokens, overriding the shared sampling's
     params = ([SamplingParams(**{**spec["sampling"], "max_tokens": n}) for n in lengths] if lengths

@@ -171,6 +171,25 @@ def test_trees_on_a_gpu_need_the_opt_in_not_eager_mode(monkeypatch):
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
 
 
+def test_cpu_default_schedule_drafts_only_while_a_request_runs_alone(monkeypatch):
+    """Without a schedule of the user's, the CPU gets stree's default (drafting while a request
+    runs alone, none beside others: vLLM's batching pays more there); a user's schedule passes
+    through unchanged, and a GPU gets none (vLLM drafts at every batch size)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    from stree.vllm.speculative import ENV, SCHEDULE, translate
+
+    monkeypatch.setenv(ENV, "")  # translate() writes it
+    out = translate({"method": "stree", "tree": "suffix:16"}, 4096)
+    assert build_dynamic_sd_schedule_lookup(out[SCHEDULE], 8, 15)[1:] == [15, 0, 0, 0, 0, 0, 0, 0]
+    mine = [[1, 2, 6], [3, 4, 2]]
+    out = translate({"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2,2", SCHEDULE: mine}, 4096)
+    assert build_dynamic_sd_schedule_lookup(out[SCHEDULE], 4, 6)[1:] == [6, 6, 2, 2]
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert SCHEDULE not in translate({"method": "stree", "model": DRAFT, "tree": "chain:4"}, 4096)
+
+
 def test_the_layers_are_registered_in_vllms_registries():
     """The plugin puts its tree attention backend and Mamba2 mixer where vLLM looks them up (its
     backend registry, its out-of-tree layer registry), not in wrappers around vLLM's functions;
