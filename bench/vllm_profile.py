@@ -3,8 +3,8 @@
     scripts/venv-vllm python bench/vllm_profile.py --methods ar stree-tree stree-suffix
 
 One in-process engine per method (vLLM's default compiled mode, greedy, the first ``--limit``
-HumanEval prompts ``--batch`` at a time (default 1), one warm-up request first), with wall-clock timers wrapped around
-the engine's step and the parts of it that stree adds or replaces: the model runner's input
+HumanEval prompts ``--batch`` at a time (default 1), after warm-up requests at that batch), with
+wall-clock timers wrapped around the engine's step and the parts of it that stree adds or replaces: the model runner's input
 preparation (with stree's tree tables), the model forward (with the tree rows of the registered
 attention backend and Mamba2 mixer, timed separately), the sampling (with stree's verification
 and commit) and the proposer (the draft's levels and its catch-up). Milliseconds per engine step,
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, where the timers are
         for method in args.methods:
             code = subprocess.run([sys.executable, __file__, "--method", method, "--limit", str(args.limit),
-                                   "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.batch)], env=env).returncode
+                                   "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.batch)],
+                                  env=env).returncode
             if code:
                 return code
         return 0
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     llm = LLM(model=str(ROOT / "models/stree-tiny/target"), dtype="float32", max_model_len=1024, max_num_seqs=4,
               seed=0, kv_cache_memory_bytes=1 << 29, speculative_config=config)
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
-    llm.generate([bench.WARM_UP], params, use_tqdm=False)
+    llm.generate([bench.WARM_UP] * args.batch, params, use_tqdm=False)  # the batch's one-time costs untimed
     acc = _timers()
     tokens = 0
     prompts = load_prompts("humaneval", args.limit)

@@ -23,7 +23,8 @@ tree verification:
 4. ``GPUModelRunner._sample``: stree's verifier on each tree (the lossless rule for the request's
    sampling settings and the draft's mode) gives the accepted path; the request's output row
    becomes the path's tokens and the token the target emits after it (vLLM's rejection sampler
-   runs first only when the batch holds other rows).
+   runs first only when the batch holds other rows). A step in which no request has drafts, for
+   any speculative method, is sampled by vLLM's own sampler, not its rejection sampler.
 5. Commit (:meth:`TreeStep.commit`): the K/V of the path's nodes move to positions
    ``num_computed + 1 .. + a`` (vLLM then counts ``a + 1`` new tokens there), and each Mamba2
    layer's state is advanced along the path from the kept activations (``ssm_replay``,
