@@ -179,7 +179,7 @@ def _tables(model, tree: TokenTree, mamba_tree: TokenTree | None, lengths, span:
         if mamba2.is_mamba2(mixer):
             consts[idx] = mamba2.constants(mixer)
             if mamba_tree is not None:
-                per_layer[idx] = mamba_tree.conv_scan_tables(*mamba2.conv_shape(mixer))
+                per_layer[idx] = mamba_tree.conv_scan_tables(mamba2.conv_width(mixer))
     tree_in = dict(ancestors=tree.mask, depth=tree.depth, lengths=lengths, span=span, nodes=nodes)
     return dict(consts=consts, mamba=per_layer, tree=tree_in)
 

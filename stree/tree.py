@@ -136,15 +136,14 @@ class TokenTree:
             self._windows[width] = torch.where(lag <= depth, in_tree, in_state)
         return self._windows[width]
 
-    def conv_gather_index(self, width: int, channels: int) -> torch.Tensor:
-        """``(b, n * width, channels)`` int64: :meth:`conv_window` shifted by one and expanded over
-        channels, to gather the taps from ``cat(conv_state^T, xbc)`` (the whole committed window,
-        so no slice is needed) in one ``gather``. Cached per (width, channels)."""
-        key = ("gather", width, channels)
+    def conv_gather_index(self, width: int) -> torch.Tensor:
+        """``(b * n * width,)`` int64: :meth:`conv_window` as row indices into
+        ``cat(conv_state^T, xbc)`` flattened over the batch (the whole committed window, so no
+        slice is needed), for the CPU tree conv's one ``index_select``
+        (:func:`conv_gather_rows`). Cached per width."""
+        key = ("gather", width)
         if key not in self._windows:
-            b, n = self.tokens.shape
-            idx = (self.conv_window(width) + 1).reshape(b, n * width, 1)
-            self._windows[key] = idx.expand(b, n * width, channels)
+            self._windows[key] = conv_gather_rows(self.conv_window(width))
         return self._windows[key]
 
     def scan_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,15 +166,15 @@ class TokenTree:
             self._windows["siblings"] = same_parent & earlier
         return self._windows["siblings"]
 
-    def conv_scan_tables(self, width: int, channels: int) -> dict:
-        """What a Mamba2 layer with a ``width``-tap conv over ``channels`` reads of this tree:
+    def conv_scan_tables(self, width: int) -> dict:
+        """What a Mamba2 layer with a ``width``-tap conv reads of this tree:
         ``window`` (:meth:`conv_window`), ``mask``, and on the CPU ``gather``
         (:meth:`conv_gather_index`) and ``scan`` (:meth:`scan_tables`), else None (the Triton
         kernels read window and mask). Built (and cached) before the layers run, so a compiled
         step reads only tensors."""
         cpu = not self.tokens.is_cuda
         return dict(window=self.conv_window(width), mask=self.mask,
-                    gather=self.conv_gather_index(width, channels) if cpu else None,
+                    gather=self.conv_gather_index(width) if cpu else None,
                     scan=self.scan_tables() if cpu else None)
 
     def row(self, r: int) -> "TokenTree":
@@ -318,3 +317,12 @@ def _ancestor_mask(paths: torch.Tensor, n: int) -> torch.Tensor:
     # -1 padding lands in the extra column n, dropped below
     mask.scatter_(2, torch.where(paths >= 0, paths, n), True)
     return mask[:, :, :n]
+
+
+def conv_gather_rows(window: torch.Tensor) -> torch.Tensor:
+    """``(b * n * w,)`` int64: ``window (b, n, w)`` as row indices into ``ext`` flattened to
+    ``(b * (w + n), channels)``, where ext is ``cat(conv_state^T, xbc)`` over the whole committed
+    window (so shifted by one against ``window``, which skips its oldest column)."""
+    b, n, w = window.shape
+    rows = torch.arange(b, device=window.device)[:, None, None] * (w + n)
+    return (window + 1 + rows).reshape(-1)

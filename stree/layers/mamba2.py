@@ -134,7 +134,7 @@ def tree_forward(m, u, state: MambaLayerCache, tables: dict, impl: str = "auto",
 
     Args:
         m: the Mamba2 module; u: ``(b, n, d_model)`` normalised hidden states of the tree nodes.
-        tables: ``TokenTree.conv_scan_tables(width, channels)`` of the tree (built before the
+        tables: ``TokenTree.conv_scan_tables(width)`` of the tree (built before the
             layers run, so this function reads no Python-side cache).
         k: :func:`constants` of ``m`` (looked up when None).
     Returns:
@@ -158,9 +158,9 @@ def tree_forward(m, u, state: MambaLayerCache, tables: dict, impl: str = "auto",
     return out, MambaActivations(xbc=xbc, x=x, dt=dt_proc, B=B, A=k["A"])
 
 
-def conv_shape(m) -> tuple[int, int]:
-    """``(width, channels)`` of the module's causal conv: the keys of its tree tables."""
-    return m.conv1d.weight.shape[-1], m.conv1d.weight.shape[0]
+def conv_width(m) -> int:
+    """The taps of the module's causal conv: the key of its tree tables."""
+    return m.conv1d.weight.shape[-1]
 
 
 def prefill(m, u, state: MambaLayerCache):

@@ -22,7 +22,10 @@ picks its tree from timings of stree's own decoding loop. vLLM's own
 requests a step runs) passes through: where it gives 0 the proposer drafts nothing (no draft work
 at all, see :meth:`stree.vllm.proposer.StreeProposer.propose`), where it gives fewer than the
 tree's tokens vLLM verifies the first ones in topological order (a subtree). On the CPU a config
-without one gets :func:`alone_only` (drafting while a request runs alone). Exactness of the
+without one gets :func:`alone_only` (drafting while a request runs alone). ``"suffix_sampled"``
+says whether suffix trees draft for sampled requests (default: on a GPU yes; on the CPU no, since
+their fixed tokens verified by sampling accept too little there to pay for a tree step: a suffix
+tree then drafts nothing for them, a merged one only the draft's part). Exactness of the
 Mamba layers under speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and
 :mod:`stree.vllm.accepted_counts`.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 ENV = "STREE_VLLM_DRAFT"
 # opt-in to stree's tree verification on a GPU (FlashAttention), written but never run
@@ -38,23 +41,28 @@ GPU_TREES = "STREE_VLLM_GPU_TREES"
 PROPOSER = "stree.vllm.proposer.StreeProposer"
 # vLLM's own dynamic speculation by batch size, passed through (see ``translate``)
 SCHEDULE = "num_speculative_tokens_per_batch_size"
+# whether suffix trees draft for sampled requests (see ``translate``)
+SUFFIX_SAMPLED = "suffix_sampled"
 # keys of stree's dict; every other key is refused (no silent typos)
 KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE, "suffix_cache_requests",
-        "suffix_cache_tokens"}
+        "suffix_cache_tokens", SUFFIX_SAMPLED}
 
 
 @dataclass(frozen=True)
 class DraftSpec:
     """stree's speculative settings inside vLLM: the draft checkpoint directory (None for a suffix
     tree, which needs no draft model), the tree spec, the verifier of sampled requests (None: the
-    lossless default for the draft, stree's rule) and the bounds of the engine's cache of earlier
-    outputs that suffix trees draft from (0 requests: no cache)."""
+    lossless default for the draft, stree's rule), the bounds of the engine's cache of earlier
+    outputs that suffix trees draft from (0 requests: no cache) and whether suffix trees draft for
+    sampled requests (else a suffix tree drafts nothing for them and a merged tree only the
+    draft's part)."""
 
     model: str | None
     tree: str = "chain:4"
     verifier: str | None = None
     suffix_cache_requests: int = 1024
     suffix_cache_tokens: int = 1 << 18
+    suffix_sampled: bool = True
 
     @property
     def stree_verifies(self) -> bool:
@@ -64,11 +72,20 @@ class DraftSpec:
 
     def pair(self, sampling):
         """stree's (drafter, verifier) for requests of ``sampling`` (greedy ones always verify
-        greedily); ValueError for a verifier that is not lossless with the drafter."""
+        greedily), or None where such requests draft nothing (sampled ones with a suffix tree alone
+        and not :attr:`suffix_sampled`); ValueError for a verifier that is not lossless with the
+        drafter."""
+        from stree.draft import MergedDrafter, parse_drafter
         from stree.generation import resolve
 
+        drafter = self.tree
+        if not sampling.is_greedy and not self.suffix_sampled and parse_drafter(self.tree).reads_context:
+            merged = parse_drafter(self.tree)
+            if not isinstance(merged, MergedDrafter):  # a suffix tree alone
+                return None
+            drafter = merged.base  # the draft's part
         method = "chain" if is_chain(self.tree) else "tree"
-        return resolve(method, self.tree, None if sampling.is_greedy else self.verifier, sampling,
+        return resolve(method, drafter, None if sampling.is_greedy else self.verifier, sampling,
                        draft_model=self.model is not None)
 
     def suffix_cache(self):
@@ -162,10 +179,15 @@ def translate(config: dict, target_vocab_size: int) -> dict:
             raise ValueError(f"speculative_config: {key} must be an int >= "
                              f"{0 if key.endswith('requests') else 1}, got {value!r}")
         bounds[key] = value
+    suffix_sampled = config.get(SUFFIX_SAMPLED)
+    if suffix_sampled is None:  # the CPU default: see docs/vllm.md
+        suffix_sampled = not current_platform.is_cpu()
+    elif not isinstance(suffix_sampled, bool):
+        raise ValueError(f"speculative_config: {SUFFIX_SAMPLED} must be true or false, got {suffix_sampled!r}")
     spec = DraftSpec(model=str(config["model"]) if config.get("model") else None, tree=tree,
-                     verifier=None if verifier is None else str(verifier), **bounds)
-    try:
-        spec.pair(SamplingConfig(temperature=1.0))
+                     verifier=None if verifier is None else str(verifier), suffix_sampled=suffix_sampled, **bounds)
+    try:  # the verifier is checked against the whole tree, whether or not sampled requests draft it
+        replace(spec, suffix_sampled=True).pair(SamplingConfig(temperature=1.0))
     except ValueError as err:
         raise ValueError(f"speculative_config['verifier']={spec.verifier!r} with tree {spec.tree!r}: {err}") from None
     if spec.stree_verifies:

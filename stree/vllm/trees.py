@@ -92,6 +92,29 @@ class TreeGroup:
         """Accepted draft nodes per row (its path less the root)."""
         return [len(tr.path) - 1 for tr in self.rows]
 
+    @cached_property
+    def span(self) -> slice | None:
+        """The group's query tokens as one slice when its rows lie back to back in the batch (a
+        lone request's always do), else None."""
+        (b, n), first = self.index.shape, self.rows[0].start
+        if [tr.start for tr in self.rows] == list(range(first, first + b * n, n)):
+            return slice(first, first + b * n)
+        return None
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """``(b, n, ...)`` the group's rows of ``t (tokens, ...)``: a view where they lie back to
+        back, else a gathered copy (so never keep it past the step's forward without a copy)."""
+        if self.span is None:
+            return t[self.index]
+        return t[self.span].view(*self.index.shape, *t.shape[1:])
+
+    def put(self, t: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows (b, n, ...)`` into the group's rows of ``t (tokens, ...)``."""
+        if self.span is None:
+            t[self.index] = rows
+        else:
+            t[self.span].view(*self.index.shape, *t.shape[1:]).copy_(rows)
+
 
 _TEMPLATES: dict[tuple, TokenTree] = {}  # (parents, b, device) -> template; bounded (dynamic trees)
 
@@ -159,6 +182,32 @@ class MambaRows:
 
 
 @dataclass
+class AttentionContext:
+    """What an attention layer reads for one tree group: the KV slots of each request's sequence
+    ``slots (b, L)`` (L the group's longest; a shorter row repeats its last slot, never attended),
+    the attention mask of its queries over them ``allowed (b, m, L)`` (the context, then each
+    node's ancestors, itself included), and, built on first use, where those slots' K and V sit
+    in the cache's memory; shared by the layers of a step."""
+
+    group: TreeGroup
+    slots: torch.Tensor
+    allowed: torch.Tensor
+    _offsets: dict = field(default_factory=dict)
+
+    def gather(self, layout, cache: torch.Tensor, value: bool = False) -> torch.Tensor:
+        """``(b, kv_heads, L, head_dim)`` the K (or V) of :attr:`slots` in ``cache`` (laid out as
+        ``layout`` says): one ``index_select`` over the cache's memory, at element offsets
+        computed once per step (every layer's cache has the same shape and strides)."""
+        key = (value, tuple(cache.shape), cache.stride())
+        if key not in self._offsets:
+            self._offsets[key] = layout.offsets(cache, self.slots, value)
+        offsets = self._offsets[key]
+        memory = cache.as_strided((cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset(),),
+                                  (1,))
+        return memory.index_select(0, offsets.view(-1)).view(offsets.shape)
+
+
+@dataclass
 class TreeStep:
     """This engine step's trees (keyed by the first token index of each request's query), the
     per-step tables every layer shares (built once, on first use), and what the layers kept for
@@ -208,26 +257,27 @@ class TreeStep:
             self._mamba[key] = MambaRows(groups, handled, masked)
         return self._mamba[key]
 
-    def contexts(self, metadata, block: int) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
-        """Per tree group of an attention layer's ``metadata``: the KV blocks holding each
-        request's sequence ``(b, nb)`` (as many as the longest needs; a shorter row's extra
-        entries are whatever its block-table row holds there, never attended) and the attention
-        mask of its queries over them ``(b, m, nb * block)``: the context, then each node's
-        ancestors (itself included). The same for every layer sharing the metadata: built once."""
+    def contexts(self, metadata, block: int) -> list[AttentionContext]:
+        """One :class:`AttentionContext` per tree group of an attention layer's ``metadata``
+        (``block``: its KV block size). The same for every layer sharing the metadata: built
+        once."""
         key = (id(metadata.block_table), block)
         if key not in self._contexts:
             row = {s: r for r, s in enumerate(metadata.query_start_loc.tolist()[:-1])}
             out = []
             for g in self.groups():
                 rows = [row[tr.start] for tr in g.rows]
-                lengths = metadata.seq_lens[rows].tolist()
-                m, nb = g.index.shape[1], max(-(-length // block) for length in lengths)
-                allowed = torch.arange(nb * block) < (torch.tensor(lengths) - m)[:, None]
+                lengths = metadata.seq_lens[rows].long().cpu()
+                m, longest = g.index.shape[1], int(lengths.max())
+                pos = torch.minimum(torch.arange(longest), lengths[:, None] - 1)  # (b, L)
+                table = metadata.block_table[rows].long().cpu()
+                slots = table.gather(1, pos // block) * block + pos % block
+                allowed = torch.arange(longest) < (lengths - m)[:, None]
                 allowed = allowed[:, None, :].repeat(1, m, 1)
-                for r, length in enumerate(lengths):
+                for r, length in enumerate(lengths.tolist()):
                     allowed[r, :, length - m:length] = g.tree("cpu").mask[0]
-                blocks = metadata.block_table[rows, :nb].long()
-                out.append((g, blocks, allowed.to(blocks.device)))
+                device = metadata.block_table.device
+                out.append(AttentionContext(g, slots.to(device), allowed.to(device)))
             self._contexts[key] = out
         return self._contexts[key]
 
@@ -330,23 +380,24 @@ class CacheLayout:
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor):
         self.key, self.value = key, value
-        # gather orders that put a block's region token-major, None where it already is
-        plain = torch.arange(key.numel()).view_as(key)
-        self.key_order, self.value_order = (None if torch.equal(i, plain) else i for i in (key, value))
 
     @staticmethod
     def block_size(cache: torch.Tensor) -> int:
         return cache.shape[2]  # split K or V cache: (blocks, kv_heads, block_size, head_dim)
 
-    def gather(self, cache: torch.Tensor, blocks: torch.Tensor, value: bool = False) -> torch.Tensor:
-        """(b, kv_heads, nb * block_size, head_dim) of the tokens held in ``blocks (b, nb)`` (in
-        order): whole blocks are copied out, then put in token-major order."""
-        order = self.value_order if value else self.key_order
-        regions = _regions(cache).index_select(0, blocks.flatten())  # (b * nb, kv_heads, block_size * head_dim)
-        if order is not None:
-            regions = regions[:, :, order.view(-1)]
-        (b, nb), block, head_dim = blocks.shape, cache.shape[2], cache.shape[3]
-        return regions.view(b, nb, -1, block, head_dim).transpose(1, 2).reshape(b, -1, nb * block, head_dim)
+    def offsets(self, cache: torch.Tensor, slots: torch.Tensor, value: bool = False) -> torch.Tensor:
+        """``(b, kv_heads, L, head_dim)`` where the K (or V) of KV slots ``slots (b, L)`` sit in
+        ``cache``'s memory (element offsets from its first element)."""
+        index = self.value if value else self.key
+        block, head_dim = index.shape
+        s_block, s_head, s_row, s_col = cache.stride()
+        pos = index.to(slots.device)[slots % block]  # (b, L, head_dim) positions in a head's region
+        if s_row == head_dim * s_col:  # the region is contiguous (vLLM's CPU cache is)
+            inner = pos * s_col
+        else:
+            inner = (pos // head_dim) * s_row + (pos % head_dim) * s_col
+        heads = torch.arange(cache.shape[1], device=slots.device) * s_head
+        return ((slots // block) * s_block)[:, None, :, None] + heads[:, None, None] + inner[:, None]
 
     def move(self, cache: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, value: bool = False) -> None:
         """Copy the K (or V) of KV slots ``src`` to slots ``dst`` (gathered first: they may overlap)."""
@@ -397,10 +448,13 @@ class FlashLayout:
         return cache.shape[1]
 
     @staticmethod
-    def gather(cache: torch.Tensor, blocks: torch.Tensor, value: bool = False) -> torch.Tensor:
-        b, nb = blocks.shape
-        kv = cache[blocks]  # (b, nb, block_size, kv_heads, head_dim)
-        return kv.permute(0, 3, 1, 2, 4).reshape(b, kv.shape[3], nb * kv.shape[2], kv.shape[4])
+    def offsets(cache: torch.Tensor, slots: torch.Tensor, value: bool = False) -> torch.Tensor:
+        """As :meth:`CacheLayout.offsets`, for a ``(blocks, block_size, kv_heads, head_dim)`` view."""
+        s_block, s_row, s_head, s_col = cache.stride()
+        block, device = cache.shape[1], slots.device
+        heads = torch.arange(cache.shape[2], device=device) * s_head
+        cols = torch.arange(cache.shape[3], device=device) * s_col
+        return ((slots // block) * s_block + (slots % block) * s_row)[:, None, :, None] + heads[:, None, None] + cols
 
     @staticmethod
     def move(cache: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, value: bool = False) -> None:
@@ -430,18 +484,18 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     block = layout.block_size(key_cache)
     heads = query.shape[1]
     rows = output.view(output.shape[0], heads, -1)
-    for g, blocks, allowed in step.contexts(metadata, block):
-        # masked positions (past a row's length) hold finite K/V: vLLM zero-fills its KV cache
-        k, v = layout.gather(key_cache, blocks).float(), layout.gather(value_cache, blocks, value=True).float()
-        q = query[g.index].transpose(1, 2).float()  # (b, heads, m, d), fp32 math
-        mask = allowed[:, None]
+    for ctx in step.contexts(metadata, block):
+        g = ctx.group
+        k, v = ctx.gather(layout, key_cache).float(), ctx.gather(layout, value_cache, value=True).float()
+        q = g.take(query).transpose(1, 2).float()  # (b, heads, m, d), fp32 math
+        mask = ctx.allowed[:, None]
         if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
             k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
             scores = impl.logits_soft_cap * torch.tanh(q @ k.transpose(-1, -2) * impl.scale / impl.logits_soft_cap)
             out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=impl.scale, enable_gqa=True)
-        rows[g.index] = out.transpose(1, 2).to(rows.dtype)
+        g.put(rows, out.transpose(1, 2))
     step.kv.append((key_cache, value_cache, layout, metadata.slot_mapping))
 
 
@@ -458,10 +512,10 @@ def tree_conv_rows(x, conv_state, weight, bias, activation, rows: MambaRows, ste
         g = rg.group
         window = conv_windows(conv_state, rg.table[:, 0], rg.accepted, width)
         committed = F.pad(window, (1, 0))  # mamba layout: width columns, the first unused
-        tables = g.tree(x.device).conv_scan_tables(width, x.shape[1])  # cached on the template
-        xbc = x[g.index]
-        out[g.index] = tree_conv(xbc, committed.to(x.dtype), weight, bias, tables["window"], activation=act,
-                                 gather_index=tables["gather"])
+        tables = g.tree(x.device).conv_scan_tables(width)  # cached on the template
+        xbc = g.take(x).clone()  # kept for the commit: x is vLLM's buffer
+        g.put(out, tree_conv(xbc, committed.to(x.dtype), weight, bias, tables["window"], activation=act,
+                             gather_index=tables["gather"]))
         step.conv.append(_ConvGroup(g, conv_state, [t[0] for t in rg.slots], window, xbc))
     return out
 
@@ -476,11 +530,11 @@ def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step:
     for rg in rows.groups:
         g = rg.group
         h0 = ssm_state[rg.start].float()
-        xs, bs = x[g.index], B[g.index]
+        xs, bs = g.take(x), g.take(B)  # kept for the commit: views of the tree conv's output
         tree = g.tree(x.device)
-        y, dt_out = tree_scan(xs, dt[g.index], a_h, bs, C[g.index], tree.mask, D=D, dt_bias=dt_bias, dt_softplus=True,
+        y, dt_out = tree_scan(xs, g.take(dt), a_h, bs, g.take(C), tree.mask, D=D, dt_bias=dt_bias, dt_softplus=True,
                               initial_states=h0, tables=None if x.is_cuda else tree.scan_tables())
-        out[g.index] = y.to(out.dtype)
+        g.put(out, y)
         step.scan.append(_ScanGroup(g, ssm_state, rg.slots, h0, xs, dt_out, a_h, bs))
 
 

@@ -34,16 +34,18 @@ def result(proc: subprocess.CompletedProcess) -> dict:
 
 
 def every_step(engine: dict) -> dict:
-    """``engine`` with stree drafting at every batch size where its speculative config sets no
-    schedule: the CPU default drafts only while a request runs alone, and the engine tests are
-    about batches of trees (the default itself: tests/vllm/test_plugin.py)."""
-    from stree.vllm.speculative import SCHEDULE, DraftSpec, draft_size
+    """``engine`` with stree drafting at every batch size, and its suffix trees for sampled
+    requests too, where its speculative config does not say: the CPU defaults draft only while a
+    request runs alone and only for greedy requests from suffix trees, and the engine tests are
+    about batches of trees under every sampling setting (the defaults themselves:
+    tests/vllm/test_plugin.py)."""
+    from stree.vllm.speculative import SCHEDULE, SUFFIX_SAMPLED, DraftSpec, draft_size
 
     spec = engine.get("speculative_config")
-    if not spec or spec.get("method") != "stree" or SCHEDULE in spec:
+    if not spec or spec.get("method") != "stree":
         return engine
     k = draft_size(str(spec.get("tree", DraftSpec.tree)))
-    return {**engine, "speculative_config": {**spec, SCHEDULE: [[1, 1 << 10, k]]}}
+    return {**engine, "speculative_config": {SCHEDULE: [[1, 1 << 10, k]], SUFFIX_SAMPLED: True, **spec}}
 
 
 def _main(spec: dict) -> None:

@@ -190,6 +190,28 @@ def test_cpu_default_schedule_drafts_only_while_a_request_runs_alone(monkeypatch
     assert SCHEDULE not in translate({"method": "stree", "model": DRAFT, "tree": "chain:4"}, 4096)
 
 
+def test_cpu_default_suffix_trees_draft_for_greedy_requests_only(monkeypatch):
+    """Without ``suffix_sampled`` the CPU's suffix trees draft for greedy requests only (a sampled
+    one's fixed tokens accept too little there to pay for a tree step); a GPU's for all; the
+    user's setting passes through, and anything but a bool is refused."""
+    from vllm.platforms import current_platform
+
+    from stree.vllm.speculative import ENV, GPU_TREES, SUFFIX_SAMPLED, DraftSpec, translate
+
+    monkeypatch.setenv(ENV, "")
+    monkeypatch.setenv(GPU_TREES, "1")
+    suffix = {"method": "stree", "tree": "suffix:16"}
+    translate(suffix, 4096)
+    assert DraftSpec.from_env().suffix_sampled is False
+    translate({**suffix, SUFFIX_SAMPLED: True}, 4096)
+    assert DraftSpec.from_env().suffix_sampled is True
+    with pytest.raises(ValueError, match=f"{SUFFIX_SAMPLED} must be true or false"):
+        translate({**suffix, SUFFIX_SAMPLED: "yes"}, 4096)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    translate(suffix, 4096)
+    assert DraftSpec.from_env().suffix_sampled is True
+
+
 def test_the_layers_are_registered_in_vllms_registries():
     """The plugin puts its tree attention backend and Mamba2 mixer where vLLM looks them up (its
     backend registry, its out-of-tree layer registry), not in wrappers around vLLM's functions;

@@ -141,3 +141,62 @@ def test_batch_size_schedule_budget(monkeypatch, tree):
             full = fresh.propose([[h[-1]]], [len(h)], torch.tensor([h]))[0]
             assert len(full) == k and tokens == full[:budget]
             histories[rid] = h + tokens[:step % 2] + [(7 * step + len(rid)) % 50 + 3]
+
+
+@pytest.mark.parametrize("tree", ["suffix:16", "caterpillar:2,2,2+suffix:16"])
+def test_suffix_trees_of_sampled_requests_only_where_asked(monkeypatch, tree):
+    """With ``suffix_sampled`` off (the CPU default) a sampled request drafts no suffix tree: with
+    a suffix tree alone nothing, with a merged tree the draft's part only (what the draft's tree
+    alone drafts); greedy requests draft the whole tree. With it on, sampled ones do too."""
+    from vllm import SamplingParams
+
+    model = DRAFT if "+" in tree else None
+    repeated = [0, 5, 17, 33, 80, 5, 17, 33, 80, 5, 17, 33]  # a text whose suffix trie predicts itself
+    histories = {"g": repeated, "s": repeated}
+    params = {"g": None, "s": SamplingParams(temperature=1.0)}
+    drafts = {}
+    for sampled in (False, True):
+        monkeypatch.setenv(ENV, "")
+        DraftSpec(model, tree, suffix_sampled=sampled).to_env()
+        config = _config(tree, True, 2)
+        config.model_config.get_vocab_size = lambda: 4096
+        drafts[sampled] = _run(StreeProposer(config), [["g", "s"]], histories, params)[0]
+    assert len(drafts[False]["g"]) > (3 if model else 0) and len(drafts[True]["s"]) > (3 if model else 0)
+    if model is None:
+        assert drafts[False]["s"] == []
+    else:  # the draft's caterpillar:2,2,2 alone: 6 nodes
+        assert len(drafts[False]["s"]) == 6 < len(drafts[True]["s"])
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
+    """A merged tree whose draft part is accepted to its deepest node leaves the draft one token
+    behind (that node, which the draft never ran), caught up as a one-node level instead of a
+    prefill: the next drafts equal those of a fresh proposer that prefills the whole history."""
+    tree = "caterpillar:2,2,2+suffix:16"
+    monkeypatch.setenv(ENV, "")
+    DraftSpec(DRAFT, tree).to_env()
+
+    def proposer(eager):
+        config = _config(tree, eager, 2)
+        config.model_config.get_vocab_size = lambda: 4096
+        return StreeProposer(config)
+
+    drafting = proposer(enforce_eager)
+    drafting.load_model(None)
+    history, one_token = [0, 5, 17, 33, 80, 100], []
+    original = drafting._one_token
+    monkeypatch.setattr(drafting, "_one_token", lambda *a: one_token.append(1) or original(*a))
+    for _ in range(3):
+        drafting.bind(["r"])
+        drafts = drafting.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0]
+        fresh = proposer(True)
+        fresh.bind(["r"])
+        assert drafts == fresh.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0]
+        drafted = drafting.drafted["r"].tree
+        node, spine = 0, []
+        while drafted.children(0, node):  # the first children down to the draft's deepest level
+            node = drafted.children(0, node)[0]
+            spine.append(int(drafted.tokens[0, node]))
+        history = history + spine + [(spine[-1] + 1) % 4096]  # all accepted, then a bonus token
+    assert len(one_token) == 2
