@@ -525,12 +525,14 @@ def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step:
     ``out`` (tokens, h, p), dt (tokens, h) before softplus and bias, A, D, dt_bias (h,), B, C
     (tokens, g, n); each tree starts from the SSM slot the last step's accepted tokens left.
     Writes the tree tokens' rows of ``out``; the state is not written, what the commit replays
-    is kept."""
+    is kept: the tree rows of x and B as views where they lie back to back, so x and B must not
+    change before the commit (the mixer passes the tree conv's own output, which nothing else
+    writes)."""
     a_h = A.float()
     for rg in rows.groups:
         g = rg.group
         h0 = ssm_state[rg.start].float()
-        xs, bs = g.take(x), g.take(B)  # kept for the commit: views of the tree conv's output
+        xs, bs = g.take(x), g.take(B)  # kept for the commit (see the docstring)
         tree = g.tree(x.device)
         y, dt_out = tree_scan(xs, g.take(dt), a_h, bs, g.take(C), tree.mask, D=D, dt_bias=dt_bias, dt_softplus=True,
                               initial_states=h0, tables=None if x.is_cuda else tree.scan_tables())
