@@ -79,11 +79,12 @@ class DraftSpec:
         from stree.generation import resolve
 
         drafter = self.tree
-        if not sampling.is_greedy and not self.suffix_sampled and parse_drafter(self.tree).reads_context:
-            merged = parse_drafter(self.tree)
-            if not isinstance(merged, MergedDrafter):  # a suffix tree alone
+        if not sampling.is_greedy and not self.suffix_sampled:
+            parsed = parse_drafter(self.tree)
+            if isinstance(parsed, MergedDrafter):
+                drafter = parsed.base  # the draft's part
+            elif parsed.reads_context:  # a suffix tree alone
                 return None
-            drafter = merged.base  # the draft's part
         method = "chain" if is_chain(self.tree) else "tree"
         return resolve(method, drafter, None if sampling.is_greedy else self.verifier, sampling,
                        draft_model=self.model is not None)
