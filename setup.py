@@ -7,6 +7,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["stree", "stree.*"]),
+    package_data={"stree.kernels": ["csrc/*.cpp"]},  # stree's C++ CPU ops, built on first use
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=...)

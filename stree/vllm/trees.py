@@ -43,6 +43,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from stree.kernels import cpu_ops
 from stree.kernels.replay import conv_replay, conv_replay_index, path_tables, ssm_replay
 from stree.kernels.tree_conv import tree_conv
 from stree.kernels.tree_scan import tree_scan
@@ -91,6 +92,11 @@ class TreeGroup:
     def accepted(self) -> list[int]:
         """Accepted draft nodes per row (its path less the root)."""
         return [len(tr.path) - 1 for tr in self.rows]
+
+    @cached_property
+    def parent_index(self) -> torch.Tensor:
+        """``(n,)`` int64 the shared parent list (the C++ tree scan's table)."""
+        return torch.tensor(self.parents)
 
     @cached_property
     def span(self) -> slice | None:
@@ -161,6 +167,12 @@ class RowGroup:
     accepted: torch.Tensor
     start: torch.Tensor
     slots: list[list[int]]
+
+    @cached_property
+    def slot_column(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b,)`` int64 each request's conv slot and the column its window starts at
+        (``num_accepted - 1``), as the C++ tree conv reads them."""
+        return self.table[:, 0].contiguous(), self.accepted - 1
 
 
 @dataclass
@@ -336,9 +348,22 @@ class TreeStep:
             dst, src = slot_mapping[dst_q.to(slot_mapping.device)].long(), slot_mapping[src_q.to(slot_mapping.device)].long()
             layout.move(key_cache, dst, src)
             layout.move(value_cache, dst, src, value=True)
+        # where the layers ran stree's C++ ops: one C++ call per layer and group
+        conv, conv_native = _split(self.conv, lambda c: cpu_ops.usable(c.xbc, c.conv_state))
+        scan, scan_native = _split(self.scan, lambda s: cpu_ops.usable(s.x, s.ssm_state))
+        accepted = {id(g): torch.tensor(g.accepted()) for g in self.groups()}
+        for c in conv_native:
+            cpu_ops.ops().tree_conv_commit(c.conv_state, torch.tensor(c.slots), accepted[id(c.group)],
+                                           c.window.transpose(1, 2).contiguous(), c.xbc, c.group.paths())
+        for s in scan_native:
+            dst = torch.tensor([slots[a] for slots, a in zip(s.slots, s.group.accepted())])
+            cpu_ops.ops().tree_scan_commit(s.ssm_state, dst, s.h0, s.x, s.dt, s.A, s.B, s.group.paths())
+        self._commit_eager(conv, scan)
+
+    def _commit_eager(self, conv: list[_ConvGroup], scan: list[_ScanGroup]) -> None:
         # each group's gather tables, built once and shared by the layers
         conv_index: dict[tuple[int, int], torch.Tensor] = {}  # (group, window width) -> index
-        for c in self.conv:
+        for c in conv:
             window, accepted, paths = c.window.clone(), c.group.accepted(), c.group.paths().to(c.xbc.device)
             w = window.shape[-1]
             if (id(c.group), w) not in conv_index:
@@ -346,13 +371,19 @@ class TreeStep:
             conv_replay(window, c.xbc, paths, index=conv_index[id(c.group), w])
             for r, (slot, a) in enumerate(zip(c.slots, accepted)):
                 c.conv_state[slot, :, a:a + w] = window[r]
-        scan_paths = {id(s.group): s.group.paths().to(s.x.device) for s in self.scan}
+        scan_paths = {id(s.group): s.group.paths().to(s.x.device) for s in scan}
         scan_tables = {key: path_tables(p) for key, p in scan_paths.items()}
-        for s in self.scan:
+        for s in scan:
             state = s.h0.clone()
             ssm_replay(state, s.x, s.dt, s.A, s.B, scan_paths[id(s.group)], tables=scan_tables[id(s.group)])
             dst = [slots[a] for slots, a in zip(s.slots, s.group.accepted())]
             s.ssm_state[dst] = state.to(s.ssm_state.dtype)
+
+
+def _split(items: list, native) -> tuple[list, list]:
+    """``items`` as (those ``native`` rejects, those it takes)."""
+    taken = [native(item) for item in items]
+    return [i for i, t in zip(items, taken) if not t], [i for i, t in zip(items, taken) if t]
 
 
 _current: TreeStep | None = None
@@ -508,8 +539,15 @@ def tree_conv_rows(x, conv_state, weight, bias, activation, rows: MambaRows, ste
     out = torch.empty_like(x)
     width = weight.shape[1]
     act = "silu" if activation in ("silu", "swish", True) else None
+    native = cpu_ops.usable(x, conv_state, weight)
     for rg in rows.groups:
         g = rg.group
+        if native:  # one C++ call: the same math, gathers and copies included
+            window0 = g.tree(x.device).conv_window(width)[0]
+            xbc, window = cpu_ops.ops().tree_conv_rows(x, conv_state, *rg.slot_column, g.index, window0, weight,
+                                                       _none_empty(bias), act is not None, out)
+            step.conv.append(_ConvGroup(g, conv_state, [t[0] for t in rg.slots], window.transpose(1, 2), xbc))
+            continue
         window = conv_windows(conv_state, rg.table[:, 0], rg.accepted, width)
         committed = F.pad(window, (1, 0))  # mamba layout: width columns, the first unused
         tables = g.tree(x.device).conv_scan_tables(width)  # cached on the template
@@ -529,8 +567,14 @@ def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step:
     change before the commit (the mixer passes the tree conv's own output, which nothing else
     writes)."""
     a_h = A.float()
+    native = cpu_ops.usable(x, dt, B, C, ssm_state, out)
     for rg in rows.groups:
         g = rg.group
+        if native:  # one C++ call: the same math, gathers and copies included
+            h0, xs, dt_out, bs = cpu_ops.ops().tree_scan_rows(x, dt, B, C, ssm_state, rg.start, g.index,
+                                                              g.parent_index, a_h, D, dt_bias, out)
+            step.scan.append(_ScanGroup(g, ssm_state, rg.slots, h0, xs, dt_out, a_h, bs))
+            continue
         h0 = ssm_state[rg.start].float()
         xs, bs = g.take(x), g.take(B)  # kept for the commit (see the docstring)
         tree = g.tree(x.device)
@@ -538,6 +582,10 @@ def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step:
                               initial_states=h0, tables=None if x.is_cuda else tree.scan_tables())
         g.put(out, y)
         step.scan.append(_ScanGroup(g, ssm_state, rg.slots, h0, xs, dt_out, a_h, bs))
+
+
+def _none_empty(t: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(0) if t is None else t
 
 
 def verified_by_stree(params) -> bool:

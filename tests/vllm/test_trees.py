@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from stree.kernels import cpu_ops
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.drafted import DraftedTree
@@ -43,7 +44,17 @@ def _path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def test_tree_conv_equals_each_path_as_a_sequence_and_commits_the_path():
+@pytest.fixture(params=["cpp", "eager"])
+def tree_rows_impl(request, monkeypatch):
+    """Both CPU implementations of the Mamba2 tree rows: stree's C++ ops and the eager ops."""
+    if request.param == "cpp":
+        assert cpu_ops.ops() is not None, "the C++ CPU ops did not build"
+    else:
+        monkeypatch.setattr(cpu_ops, "usable", lambda *tensors: False)
+    return request.param
+
+
+def test_tree_conv_equals_each_path_as_a_sequence_and_commits_the_path(tree_rows_impl):
     torch.manual_seed(0)
     dim, width, k = 12, 4, len(PARENTS) - 1
     conv_state = torch.randn(5, dim, width - 1 + k)  # vLLM: (slots, dim, width - 1 + K)
@@ -73,7 +84,7 @@ def test_tree_conv_equals_each_path_as_a_sequence_and_commits_the_path():
         torch.testing.assert_close(conv_state[slot, :, n:n + width - 1], want)
 
 
-def test_tree_scan_equals_each_path_as_a_sequence_and_commits_the_path():
+def test_tree_scan_equals_each_path_as_a_sequence_and_commits_the_path(tree_rows_impl):
     torch.manual_seed(0)
     h, p, n, g = 4, 3, 5, 2
     k = len(PARENTS) - 1
@@ -113,7 +124,8 @@ def test_tree_scan_equals_each_path_as_a_sequence_and_commits_the_path():
 
 @pytest.mark.parametrize("layout, block_size", [("cpu", 16), ("cpu", 128), ("flash", 16)],
                          ids=["cpu-16", "cpu-128", "flash-16"])  # the CPU kernel lays K out differently for 16, 128
-def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size):
+@pytest.mark.parametrize("cap", [0.0, 2.0], ids=["no-cap", "soft-cap"])
+def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size, cap):
     """On vLLM's CPU cache (written by vLLM's own op, its layout probed) and on FlashAttention's
     GPU layout (written here on CPU tensors: ``(blocks, kv_heads, block_size, 2 * head_dim)``, K
     first), which no GPU has run."""
@@ -125,7 +137,7 @@ def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size):
     contexts = [21, 40, 3]  # committed tokens per request
     layer = SimpleNamespace(isa=_get_attn_isa(torch.float32, block_size, hd))
     impl = SimpleNamespace(alibi_slopes=None, sliding_window=-1 if layout == "cpu" else (-1, -1), sinks=None,
-                           scale=hd ** -0.5, logits_soft_cap=0, kv_cache_dtype="auto")
+                           scale=hd ** -0.5, logits_soft_cap=cap, kv_cache_dtype="auto")
     tables = [[5, 2, 7], [1, 6, 3, 4], [8]]  # each request's blocks, in order
     lengths = [c + len(parents) for c, (parents, _) in zip(contexts, REQUESTS)]
     width = max(map(len, tables))
@@ -162,7 +174,8 @@ def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size):
             seen = list(range(context)) + [context + i for i in _path(parents, node)]
             k = ks[seen].repeat_interleave(heads // kv_heads, 1)
             v = vs[seen].repeat_interleave(heads // kv_heads, 1)
-            probs = (torch.einsum("hd,lhd->hl", query[start + node], k) * impl.scale).softmax(-1)
+            scores = torch.einsum("hd,lhd->hl", query[start + node], k) * impl.scale
+            probs = (cap * torch.tanh(scores / cap) if cap else scores).softmax(-1)
             torch.testing.assert_close(out[start + node], torch.einsum("hl,lhd->hd", probs, v), rtol=1e-5, atol=1e-5)
     _accept(step)
     step.commit()  # each path's K/V now sit at context + 0 .. context + a

@@ -1,0 +1,71 @@
+"""stree's C++ CPU ops (``csrc/tree_rows.cpp``), built on first use with torch's C++ extension
+loader and cached per source, Python and torch version under ``$STREE_CACHE`` (default
+``~/.cache/stree``).
+
+Serving engines run a decode step as a few fused ops per layer; stree's eager tree rows are a
+dozen small PyTorch ops per layer and tree shape, each paying the interpreter and dispatcher. These
+ops do a layer's tree conv or tree scan, gathers and copies included, in one call. Each has an
+eager reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
+:func:`stree.kernels.tree_scan.tree_scan`), which is what runs where the ops cannot: no compiler
+(a warning, once), ``STREE_CPU_OPS=0``, or anything but fp32 CPU tensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "tree_rows.cpp"
+# -march=native: built on the machine that runs it; -ffast-math: vectorized exp and sums (the
+# results are compared with the eager references at fp32 tolerances, as the Triton kernels are)
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_module = None
+_failed: str | None = None
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's instruction-set flags (``-march=native`` builds for them): part of the cache key,
+    so a cache shared by different machines never hands one another's build."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def _build_dir() -> Path:
+    key = _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_flags()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    root = Path(os.environ.get("STREE_CACHE", Path.home() / ".cache" / "stree"))
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{digest}"
+    return root / "cpu_ops" / tag.replace("+", "_")
+
+
+def ops():
+    """The compiled module, or None where it cannot be had (see the module docstring)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    if os.environ.get("STREE_CPU_OPS", "1") == "0":
+        _failed = "STREE_CPU_OPS=0"
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = _build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        _module = load(name="stree_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build),
+                       extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, ...: the eager path still gives the same results
+        _failed = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"stree: C++ CPU ops unavailable, tree rows run eagerly ({_failed})", stacklevel=2)
+    return _module
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the ops take these tensors (fp32, CPU) and are available."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and ops() is not None

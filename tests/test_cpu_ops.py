@@ -1,0 +1,143 @@
+"""stree's C++ CPU tree-row ops against the eager tree conv, tree scan and replays (themselves
+checked against mamba-ssm's step along every root-to-node path in test_kernels_conv_replay.py and
+test_kernels_tree_scan.py), on trees scattered among other tokens and on state caches with vLLM's
+layouts. tests/vllm/test_trees.py runs both implementations inside the vLLM layers."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stree.kernels.cpu_ops import ops
+from stree.kernels.replay import conv_replay, ssm_replay_ref
+from stree.kernels.tree_conv import tree_conv_ref
+from stree.kernels.tree_scan import tree_scan_ref
+from stree.tree import TokenTree
+
+PARENTS = [[-1], [-1, 0, 1, 2], [-1, 0, 0, 1, 1, 2, 4, 4, 0, 8]]
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    module = ops()
+    assert module is not None, "the C++ CPU ops did not build (see the warning)"
+    return module
+
+
+def _scattered(b, n, tokens, gen):
+    """(b, n) distinct token rows in a batch of ``tokens`` rows, not in order."""
+    return torch.randperm(tokens, generator=gen)[:b * n].view(b, n)
+
+
+@pytest.mark.parametrize("parents", PARENTS)
+@pytest.mark.parametrize("dim_first", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_tree_conv_rows_match_the_eager_tree_conv(cpu_ops, parents, dim_first, bias):
+    gen = torch.Generator().manual_seed(len(parents))
+    b, n, c, w, spec = 3, len(parents), 24, 4, 3
+    tree = TokenTree(torch.zeros(b, n, dtype=torch.long), parents)
+    tokens = b * n + 5
+    x = torch.randn(tokens, c, generator=gen)
+    slots_total, length = 7, w - 1 + spec
+    if dim_first:
+        conv_state = torch.randn(slots_total, c, length, generator=gen)
+    else:  # vLLM's other layout: (slots, length, c) in memory, read as (slots, c, length)
+        conv_state = torch.randn(slots_total, length, c, generator=gen).transpose(1, 2)
+    weight = torch.randn(c, w, generator=gen)
+    bias_t = torch.randn(c, generator=gen) if bias else None
+    slots, col0 = torch.tensor([4, 0, 6]), torch.tensor([0, 2, 1])
+    index = _scattered(b, n, tokens, gen)
+    out = torch.full_like(x, 7.0)
+    before = conv_state.clone()
+    xbc, win = cpu_ops.tree_conv_rows(x, conv_state, slots, col0, index, tree.conv_window(w)[0].contiguous(),
+                                      weight, bias_t if bias else torch.empty(0), True, out)
+    committed = torch.stack([conv_state[s, :, a:a + w - 1] for s, a in zip(slots.tolist(), col0.tolist())])
+    want = tree_conv_ref(x[index], F.pad(committed, (1, 0)), weight, bias_t, tree.conv_window(w), "silu")
+    torch.testing.assert_close(out[index], want, rtol=1e-5, atol=1e-5)
+    others = torch.ones(tokens, dtype=torch.bool)
+    others[index.flatten()] = False
+    assert (out[others] == 7.0).all(), "rows outside the trees were written"
+    assert torch.equal(xbc, x[index]) and torch.equal(win, committed.transpose(1, 2))
+    assert torch.equal(conv_state, before), "the conv state was written"
+
+
+@pytest.mark.parametrize("parents", PARENTS)
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_tree_scan_rows_match_the_eager_tree_scan(cpu_ops, parents, groups):
+    gen = torch.Generator().manual_seed(10 * len(parents) + groups)
+    b, n, h, p, s = 2, len(parents), 4, 8, 12  # s not a multiple of the op's 8 lanes: the tail runs
+    tree = TokenTree(torch.zeros(b, n, dtype=torch.long), parents)
+    tokens = b * n + 3
+    conv = torch.randn(tokens, h * p + 2 * groups * s, generator=gen)  # x, B, C as views of one buffer
+    x, B, C = torch.split(conv, [h * p, groups * s, groups * s], dim=-1)
+    x, B, C = x.view(tokens, h, p), B.view(tokens, groups, s), C.view(tokens, groups, s)
+    dt = torch.randn(tokens, h + 3, generator=gen)[:, 1:h + 1]  # a strided view, as vLLM's split gives
+    A, D, dt_bias = -torch.rand(h, generator=gen) - 0.1, torch.randn(h, generator=gen), torch.randn(h, generator=gen)
+    ssm_state = torch.randn(5, h, p, s, generator=gen)
+    start, index = torch.tensor([3, 1]), _scattered(b, n, tokens, gen)
+    out = torch.full((tokens, h, p), 7.0)
+    before = ssm_state.clone()
+    h0, xs, dts, bs = cpu_ops.tree_scan_rows(x, dt, B, C, ssm_state, start, index,
+                                             torch.tensor(parents), A, D, dt_bias, out)
+    want, want_dt = tree_scan_ref(x[index], dt[index], A, B[index], C[index], tree.mask, D=D, dt_bias=dt_bias,
+                                  dt_softplus=True, initial_states=ssm_state[start])
+    torch.testing.assert_close(out[index], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dts, want_dt, rtol=1e-5, atol=1e-6)
+    others = torch.ones(tokens, dtype=torch.bool)
+    others[index.flatten()] = False
+    assert (out[others] == 7.0).all(), "rows outside the trees were written"
+    assert torch.equal(h0, ssm_state[start]) and torch.equal(xs, x[index]) and torch.equal(bs, B[index])
+    assert torch.equal(ssm_state, before), "the SSM state was written"
+
+
+PATHS = [[[0, 1, 3, 6], [0, 8, 9, -1]], [[0, -1, -1, -1], [0, 2, 5, -1]]]  # root first, -1 padded
+
+
+@pytest.mark.parametrize("paths", PATHS)
+def test_tree_conv_commit_matches_conv_replay(cpu_ops, paths):
+    gen = torch.Generator().manual_seed(3)
+    b, n, c, w, spec = 2, 10, 16, 4, 4
+    conv_state = torch.randn(6, spec + w - 1, c, generator=gen).transpose(1, 2)  # (slots, c, L), c fastest
+    win, xbc = torch.randn(b, w - 1, c, generator=gen), torch.randn(b, n, c, generator=gen)
+    slots, cols, path = torch.tensor([5, 2]), torch.tensor([3, 0]), torch.tensor(paths)
+    want = conv_state.clone()
+    windows = win.transpose(1, 2).clone()  # (b, c, w - 1), conv_replay's layout
+    conv_replay(windows, xbc, path)
+    for r in range(b):
+        want[slots[r], :, cols[r]:cols[r] + w - 1] = windows[r]
+    cpu_ops.tree_conv_commit(conv_state, slots, cols, win, xbc, path)
+    assert torch.equal(conv_state, want)
+
+
+@pytest.mark.parametrize("paths", PATHS)
+def test_tree_scan_commit_matches_ssm_replay(cpu_ops, paths):
+    gen = torch.Generator().manual_seed(4)
+    b, n, h, p, s, g = 2, 10, 4, 8, 16, 2
+    ssm_state = torch.randn(5, h, p, s, generator=gen)
+    h0, xs = torch.randn(b, h, p, s, generator=gen), torch.randn(b, n, h, p, generator=gen)
+    dts, bs = torch.rand(b, n, h, generator=gen), torch.randn(b, n, g, s, generator=gen)
+    A, slots, path = -torch.rand(h, generator=gen), torch.tensor([4, 1]), torch.tensor(paths)
+    want = ssm_state.clone()
+    state = h0.clone()
+    ssm_replay_ref(state, xs, dts, A, bs, path)
+    want[slots] = state
+    cpu_ops.tree_scan_commit(ssm_state, slots, h0, xs, dts, A, bs, path)
+    torch.testing.assert_close(ssm_state, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_get_clear_errors(cpu_ops):
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.tree_conv_rows(x.double(), torch.randn(2, 8, 3).double(), torch.tensor([0]), torch.tensor([0]),
+                               torch.tensor([[0]]), torch.tensor([[0, 0, 0]]), torch.randn(8, 3), torch.empty(0),
+                               True, x.double())
+    with pytest.raises(RuntimeError, match="topological"):
+        cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
+                               torch.randn(2, 2, 4, 8), torch.tensor([0]), torch.tensor([[0, 1]]),
+                               torch.tensor([-1, 1]), -torch.ones(2), torch.ones(2), torch.zeros(2),
+                               torch.empty(4, 2, 4))
+    with pytest.raises(RuntimeError, match="past the conv state"):
+        cpu_ops.tree_conv_commit(torch.zeros(2, 8, 4), torch.tensor([0]), torch.tensor([2]), torch.zeros(1, 3, 8),
+                                 torch.zeros(1, 2, 8), torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.tree_scan_commit(torch.zeros(2, 2, 4, 8), torch.tensor([0]), torch.zeros(1, 2, 4, 8),
+                                 torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2), -torch.ones(2), torch.zeros(1, 2, 1, 8),
+                                 torch.tensor([[0, 2]]))
