@@ -60,6 +60,7 @@ from stree.cache import TreeCache
 from stree.draft import MergedDrafter, SuffixDrafter
 from stree.draft.base import commit_draft
 from stree.draft.suffix import ContextIndex
+from stree.kernels import cpu_ops
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.speculative import DraftSpec, draft_size, load_draft
@@ -138,7 +139,7 @@ class StreeProposer:
             raise ValueError(f"num_speculative_tokens={vllm_config.speculative_config.num_speculative_tokens} "
                              f"disagrees with tree {spec.tree!r}")
         self.stree_verifies = spec.stree_verifies
-        self.model = load_draft(spec.model) if spec.model is not None else None
+        self.model = load_draft(spec.model, spec.draft_dtype) if spec.model is not None else None
         # (drafter, verifier) for greedy requests and for sampled ones: the draft mode, and with it
         # the lossless verifier, depends only on whether the request samples
         self.pairs = {greedy: spec.pair(sampling) for greedy, sampling
@@ -181,7 +182,12 @@ class StreeProposer:
     def load_model(self, *args) -> None:
         """Called by vLLM at start-up with the target (the draft is ours): compile the draft's
         levels for the padded batch sizes up to ``PRECOMPILED`` now, on free slots (a request's
-        first draft zeroes its slot)."""
+        first draft zeroes its slot); and build stree's C++ CPU ops for the target's tree rows
+        (once per machine, cached), so the first tree step does not wait for a compiler."""
+        from vllm.platforms import current_platform
+
+        if self.stree_verifies and current_platform.is_cpu():
+            cpu_ops.ops()
         if not self.compiled:
             return
         drafter = _levels(self.pairs[True][0])

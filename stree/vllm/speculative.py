@@ -25,7 +25,10 @@ tree's tokens vLLM verifies the first ones in topological order (a subtree). On 
 without one gets :func:`alone_only` (drafting while a request runs alone). ``"suffix_sampled"``
 says whether suffix trees draft for sampled requests (default: on a GPU yes; on the CPU no, since
 their fixed tokens verified by sampling accept too little there to pay for a tree step: a suffix
-tree then drafts nothing for them, a merged one only the draft's part). Exactness of the
+tree then drafts nothing for them, a merged one only the draft's part). ``"draft_dtype"``
+(``"float32"`` or ``"bfloat16"``) is the draft model's dtype: default bf16 on a CPU that
+multiplies it natively, else fp32; drafts in any dtype are verified losslessly (the verifier
+reads the probabilities the draft sampled from). Exactness of the
 Mamba layers under speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and
 :mod:`stree.vllm.accepted_counts`.
 """
@@ -43,9 +46,12 @@ PROPOSER = "stree.vllm.proposer.StreeProposer"
 SCHEDULE = "num_speculative_tokens_per_batch_size"
 # whether suffix trees draft for sampled requests (see ``translate``)
 SUFFIX_SAMPLED = "suffix_sampled"
+# the draft model's dtype (see ``translate``)
+DRAFT_DTYPE = "draft_dtype"
+DRAFT_DTYPES = ("float32", "bfloat16")
 # keys of stree's dict; every other key is refused (no silent typos)
 KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE, "suffix_cache_requests",
-        "suffix_cache_tokens", SUFFIX_SAMPLED}
+        "suffix_cache_tokens", SUFFIX_SAMPLED, DRAFT_DTYPE}
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class DraftSpec:
     lossless default for the draft, stree's rule), the bounds of the engine's cache of earlier
     outputs that suffix trees draft from (0 requests: no cache) and whether suffix trees draft for
     sampled requests (else a suffix tree drafts nothing for them and a merged tree only the
-    draft's part)."""
+    draft's part), and the dtype the draft model runs in."""
 
     model: str | None
     tree: str = "chain:4"
@@ -63,6 +69,7 @@ class DraftSpec:
     suffix_cache_requests: int = 1024
     suffix_cache_tokens: int = 1 << 18
     suffix_sampled: bool = True
+    draft_dtype: str = "float32"
 
     @property
     def stree_verifies(self) -> bool:
@@ -140,13 +147,23 @@ def is_chain(tree: str) -> bool:
     return isinstance(parse_drafter(tree), ChainDrafter)
 
 
-def load_draft(directory: str):
-    """The patched draft model (CPU, fp32) from a checkpoint directory stree can load."""
+def load_draft(directory: str, dtype: str = "float32"):
+    """The patched draft model (CPU, in ``dtype``) from a checkpoint directory stree can load."""
     import torch
 
     from stree.checkpoints import load_model
 
-    return load_model(directory, torch.device("cpu"), torch.float32).eval()
+    return load_model(directory, torch.device("cpu"), getattr(torch, dtype)).eval()
+
+
+def default_draft_dtype() -> str:
+    """``"bfloat16"`` where this CPU multiplies bf16 natively (oneDNN's test: AVX-512 BF16 or
+    AMX), else ``"float32"``. A draft level reads all the draft's weights for a row or two, so
+    it costs about what streaming them does: half the bytes, a cheaper level (docs/vllm.md)."""
+    import torch
+
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return "bfloat16" if supported is not None and supported() else "float32"
 
 
 def translate(config: dict, target_vocab_size: int) -> dict:
@@ -185,8 +202,14 @@ def translate(config: dict, target_vocab_size: int) -> dict:
         suffix_sampled = not current_platform.is_cpu()
     elif not isinstance(suffix_sampled, bool):
         raise ValueError(f"speculative_config: {SUFFIX_SAMPLED} must be true or false, got {suffix_sampled!r}")
+    draft_dtype = config.get(DRAFT_DTYPE)
+    if draft_dtype is None:  # the CPU default: see docs/vllm.md
+        draft_dtype = default_draft_dtype() if current_platform.is_cpu() else "float32"
+    elif draft_dtype not in DRAFT_DTYPES:
+        raise ValueError(f"speculative_config: {DRAFT_DTYPE} must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
     spec = DraftSpec(model=str(config["model"]) if config.get("model") else None, tree=tree,
-                     verifier=None if verifier is None else str(verifier), suffix_sampled=suffix_sampled, **bounds)
+                     verifier=None if verifier is None else str(verifier), suffix_sampled=suffix_sampled,
+                     draft_dtype=draft_dtype, **bounds)
     try:  # the verifier is checked against the whole tree, whether or not sampled requests draft it
         replace(spec, suffix_sampled=True).pair(SamplingConfig(temperature=1.0))
     except ValueError as err:
@@ -200,7 +223,7 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     if config.get("num_speculative_tokens") not in (None, k):
         raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
                          f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")
-    draft_vocab = target_vocab_size if spec.model is None else vocab_size(load_draft(spec.model))
+    draft_vocab = target_vocab_size if spec.model is None else vocab_size(load_draft(spec.model, spec.draft_dtype))
     if draft_vocab != target_vocab_size:
         raise ValueError(f"speculative_config: the draft's vocabulary ({draft_vocab} tokens, {spec.model}) "
                          f"differs from the target's ({target_vocab_size}): draft and target must share "

@@ -212,6 +212,35 @@ def test_cpu_default_suffix_trees_draft_for_greedy_requests_only(monkeypatch):
     assert DraftSpec.from_env().suffix_sampled is True
 
 
+def test_draft_dtype_defaults_to_bf16_on_a_cpu_that_multiplies_it(monkeypatch):
+    """Without ``draft_dtype`` the CPU's draft runs in bf16 where oneDNN multiplies bf16 natively,
+    else fp32 (a GPU's: fp32); the user's setting passes through to the proposer's model, and an
+    unknown dtype is refused."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from stree.vllm.speculative import DRAFT_DTYPE, ENV, DraftSpec, load_draft, translate
+
+    monkeypatch.setenv(ENV, "")
+    chain = {"method": "stree", "model": "models/stree-tiny/draft", "tree": "chain:4"}
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    translate(chain, 4096)
+    assert DraftSpec.from_env().draft_dtype == ("bfloat16" if native else "float32")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: not native)
+    translate(chain, 4096)
+    assert DraftSpec.from_env().draft_dtype == ("float32" if native else "bfloat16")
+    for dtype in ("float32", "bfloat16"):
+        translate({**chain, DRAFT_DTYPE: dtype}, 4096)
+        spec = DraftSpec.from_env()
+        assert spec.draft_dtype == dtype
+        assert next(load_draft(spec.model, spec.draft_dtype).parameters()).dtype == getattr(torch, dtype)
+    with pytest.raises(ValueError, match=f"{DRAFT_DTYPE} must be one of"):
+        translate({**chain, DRAFT_DTYPE: "float16"}, 4096)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    translate(chain, 4096)
+    assert DraftSpec.from_env().draft_dtype == "float32"
+
+
 def test_the_layers_are_registered_in_vllms_registries():
     """The plugin puts its tree attention backend and Mamba2 mixer where vLLM looks them up (its
     backend registry, its out-of-tree layer registry), not in wrappers around vLLM's functions;
