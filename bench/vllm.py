@@ -38,7 +38,9 @@ METHODS = {
     "ar": None,
     "stree-chain": {"method": "stree", "model": "{draft}", "tree": "chain:4"},
     "stree-chain-asps": {"method": "stree", "model": "{draft}", "tree": "chain:4", "verifier": "asps"},
-    "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2"},  # the CPU default
+    # the CPU default (and a bf16 draft, the default on a CPU that multiplies bf16 natively)
+    "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2"},
+    "stree-tree-fp32": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2", "draft_dtype": "float32"},
     "stree-tree-every": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2",
                          "num_speculative_tokens_per_batch_size": [[1, 4, 6]]},
     "stree-tree4": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2,2"},
