@@ -16,8 +16,9 @@ tree verification:
    committed context plus the node's ancestors (:func:`tree_attention`); vLLM's own kernel runs
    first when the batch holds other rows.
 3. Mamba2 (vLLM's decode ops ``causal_conv1d_update`` / ``selective_state_update``): tree rows run
-   stree's ``tree_conv`` and ``tree_scan`` from the committed state; nothing is written, and the
-   activations the commit needs are kept (:class:`_ConvGroup`, :class:`_ScanGroup`); requests whose
+   stree's ``tree_conv`` and ``tree_scan`` from the committed state (on the CPU in fp32, stree's
+   C++ ops: :mod:`stree.kernels.cpu_ops`); nothing is written, and the activations the commit needs
+   are kept (:class:`_ConvGroup`, :class:`_ScanGroup`); requests whose
    trees have one shape run as one batch (:class:`TreeGroup`). Other rows, if
    any, go to vLLM's op with the tree rows masked out (their state index set to vLLM's null block).
 4. ``GPUModelRunner._sample``: stree's verifier on each tree (the lossless rule for the request's
@@ -539,13 +540,13 @@ def tree_conv_rows(x, conv_state, weight, bias, activation, rows: MambaRows, ste
     out = torch.empty_like(x)
     width = weight.shape[1]
     act = "silu" if activation in ("silu", "swish", True) else None
-    native = cpu_ops.usable(x, conv_state, weight)
+    native = cpu_ops.usable(x, conv_state, weight, *([] if bias is None else [bias]))
     for rg in rows.groups:
         g = rg.group
         if native:  # one C++ call: the same math, gathers and copies included
             window0 = g.tree(x.device).conv_window(width)[0]
             xbc, window = cpu_ops.ops().tree_conv_rows(x, conv_state, *rg.slot_column, g.index, window0, weight,
-                                                       _none_empty(bias), act is not None, out)
+                                                       torch.empty(0) if bias is None else bias, act is not None, out)
             step.conv.append(_ConvGroup(g, conv_state, [t[0] for t in rg.slots], window.transpose(1, 2), xbc))
             continue
         window = conv_windows(conv_state, rg.table[:, 0], rg.accepted, width)
@@ -582,10 +583,6 @@ def tree_scan_rows(ssm_state, x, dt, A, B, C, D, dt_bias, rows: MambaRows, step:
                               initial_states=h0, tables=None if x.is_cuda else tree.scan_tables())
         g.put(out, y)
         step.scan.append(_ScanGroup(g, ssm_state, rg.slots, h0, xs, dt_out, a_h, bs))
-
-
-def _none_empty(t: torch.Tensor | None) -> torch.Tensor:
-    return torch.empty(0) if t is None else t
 
 
 def verified_by_stree(params) -> bool:
