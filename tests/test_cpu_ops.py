@@ -134,6 +134,14 @@ def test_bad_inputs_get_clear_errors(cpu_ops):
                                torch.randn(2, 2, 4, 8), torch.tensor([0]), torch.tensor([[0, 1]]),
                                torch.tensor([-1, 1]), -torch.ones(2), torch.ones(2), torch.zeros(2),
                                torch.empty(4, 2, 4))
+    with pytest.raises(RuntimeError, match="a token row out of range"):
+        cpu_ops.tree_conv_rows(x, torch.randn(2, 8, 3), torch.tensor([0]), torch.tensor([0]), torch.tensor([[4]]),
+                               torch.tensor([[0, 1, 2]]), torch.randn(8, 3), torch.empty(0), True, x.clone())
+    with pytest.raises(RuntimeError, match="a state slot out of range"):
+        cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
+                               torch.randn(2, 2, 4, 8), torch.tensor([2]), torch.tensor([[0, 1]]),
+                               torch.tensor([-1, 0]), -torch.ones(2), torch.ones(2), torch.zeros(2),
+                               torch.empty(4, 2, 4))
     with pytest.raises(RuntimeError, match="past the conv state"):
         cpu_ops.tree_conv_commit(torch.zeros(2, 8, 4), torch.tensor([0]), torch.tensor([2]), torch.zeros(1, 3, 8),
                                  torch.zeros(1, 2, 8), torch.tensor([[0, 1]]))

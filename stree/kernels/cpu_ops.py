@@ -1,13 +1,14 @@
 """stree's C++ CPU ops (``csrc/tree_rows.cpp``), built on first use with torch's C++ extension
-loader and cached per source, Python and torch version under ``$STREE_CACHE`` (default
-``~/.cache/stree``).
+loader and cached per source, flags, CPU, Python and torch version under ``$STREE_CACHE``
+(default ``~/.cache/stree``).
 
 Serving engines run a decode step as a few fused ops per layer; stree's eager tree rows are a
 dozen small PyTorch ops per layer and tree shape, each paying the interpreter and dispatcher. These
-ops do a layer's tree conv or tree scan, gathers and copies included, in one call. Each has an
-eager reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
-:func:`stree.kernels.tree_scan.tree_scan`), which is what runs where the ops cannot: no compiler
-(a warning, once), ``STREE_CPU_OPS=0``, or anything but fp32 CPU tensors.
+ops do a Mamba2 layer's tree conv, tree scan and their commits, gathers and copies included, one
+call each. Each has an eager reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
+:func:`stree.kernels.tree_scan.tree_scan`, :mod:`stree.kernels.replay`), which is what runs where
+the ops cannot: no compiler (a warning, once), ``STREE_CPU_OPS=0``, or anything but fp32 CPU
+tensors.
 """
 from __future__ import annotations
 

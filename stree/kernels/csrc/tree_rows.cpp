@@ -1,9 +1,11 @@
 // CPU tree rows of one Mamba2 layer inside a serving engine: the tree conv and the tree scan of
 // a group of equally shaped token trees, read straight from the engine's token-major activations
-// and state caches, nothing written to the caches. What the commit replays is returned as copies.
+// and state caches, nothing written to the caches (what the commit replays is returned as
+// copies), and the two commits that then write the accepted paths' states into the caches.
 //
-// References (same math, eager PyTorch, the oracle of tests/test_cpu_ops.py):
-// stree/kernels/tree_conv.py (_tree_conv_ref) and stree/kernels/tree_scan.py (_tree_scan_ref).
+// References (same math, eager PyTorch, the oracles of tests/test_cpu_ops.py):
+// stree/kernels/tree_conv.py (_tree_conv_ref), stree/kernels/tree_scan.py (_tree_scan_ref) and
+// stree/kernels/replay.py (conv_replay, ssm_replay).
 // fp32 only: the Python side (stree/kernels/cpu_ops.py) takes the eager path for anything else.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,6 +38,12 @@ void check_rows(const at::Tensor& t, const char* name) {  // (tokens, ...) with 
   }
 }
 
+void check_range(const at::Tensor& t, int64_t low, int64_t high, const char* name) {  // low <= t < high
+  const int64_t* v = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    TORCH_CHECK(v[i] >= low && v[i] < high, "stree cpu ops: ", name, " out of range");
+}
+
 inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
 
 }  // namespace
@@ -60,6 +68,11 @@ std::vector<at::Tensor> tree_conv_rows(const at::Tensor& x, const at::Tensor& co
               "stree cpu ops: tree_conv_rows channel counts differ");
   TORCH_CHECK(window.size(0) == n && window.size(1) == w, "stree cpu ops: window must be (n, w)");
   TORCH_CHECK(slots.numel() == b && col0.numel() == b, "stree cpu ops: slots and col0 must be (b,)");
+  TORCH_CHECK(w >= 1 && conv_state.size(2) >= w - 1, "stree cpu ops: the conv state is narrower than the window");
+  check_range(slots, 0, conv_state.size(0), "a conv slot");
+  check_range(col0, 0, conv_state.size(2) - (w - 1) + 1, "a window column");
+  check_range(index, 0, std::min(x.size(0), out.size(0)), "a token row");
+  check_range(window, 0, w - 1 + n, "a conv tap");
   const bool has_bias = bias.numel() > 0;
   if (has_bias) check_f32(bias, "bias");
   at::Tensor wt = weight.t().contiguous();  // (w, c): each tap's weights contiguous
@@ -131,6 +144,11 @@ std::vector<at::Tensor> tree_scan_rows(const at::Tensor& x, const at::Tensor& dt
   TORCH_CHECK(h % g == 0 && ssm_state.size(1) == h && ssm_state.size(2) == p && ssm_state.size(3) == s,
               "stree cpu ops: tree_scan_rows shapes differ");
   TORCH_CHECK(parents.numel() == n && start.numel() == b, "stree cpu ops: parents (n,), start (b,)");
+  TORCH_CHECK(dt.size(1) == h && C.size(1) == g && C.size(2) == s && out.size(1) == h && out.size(2) == p,
+              "stree cpu ops: tree_scan_rows shapes differ");
+  check_range(start, 0, ssm_state.size(0), "a state slot");
+  const int64_t tokens = std::min({x.size(0), dt.size(0), B.size(0), C.size(0), out.size(0)});
+  check_range(index, 0, tokens, "a token row");
   at::Tensor a_c = A.to(at::kFloat).contiguous(), d_c = D.to(at::kFloat).contiguous();
   at::Tensor bias_c = dt_bias.to(at::kFloat).contiguous();
   at::Tensor h0 = at::empty({b, h, p, s}, x.options());
@@ -217,6 +235,7 @@ void tree_conv_commit(at::Tensor conv_state, const at::Tensor& slots, const at::
   const int64_t b = win.size(0), w1 = win.size(1), c = win.size(2), n = xbc.size(1), k = path.size(1);
   TORCH_CHECK(conv_state.size(1) == c && xbc.size(2) == c && path.size(0) == b && slots.numel() == b
                   && cols.numel() == b, "stree cpu ops: tree_conv_commit shapes differ");
+  check_range(slots, 0, conv_state.size(0), "a conv slot");
   const int64_t *slot_p = slots.data_ptr<int64_t>(), *col_p = cols.data_ptr<int64_t>();
   const int64_t* path_p = path.data_ptr<int64_t>();
   const float *win_p = win.data_ptr<float>(), *xbc_p = xbc.data_ptr<float>();
@@ -261,6 +280,7 @@ void tree_scan_commit(at::Tensor ssm_state, const at::Tensor& slots, const at::T
   const int64_t* path_p = path.data_ptr<int64_t>();
   for (int64_t i = 0; i < b * k; ++i)
     TORCH_CHECK(path_p[i] < n, "stree cpu ops: path node out of range");
+  check_range(slots, 0, ssm_state.size(0), "a state slot");
   at::Tensor a_c = A.to(at::kFloat).contiguous();
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const float *h0_p = h0.data_ptr<float>(), *xs_p = xs.data_ptr<float>(), *dts_p = dts.data_ptr<float>();
