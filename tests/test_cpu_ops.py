@@ -124,24 +124,25 @@ def test_tree_scan_commit_matches_ssm_replay(cpu_ops, paths):
 
 
 def test_bad_inputs_get_clear_errors(cpu_ops):
+    def scan(start, parents):  # a two-node tree of 4 tokens, 2 heads, 1 group, state size 8
+        cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
+                               torch.randn(2, 2, 4, 8), torch.tensor([start]), torch.tensor([[0, 1]]),
+                               torch.tensor(parents), -torch.ones(2), torch.ones(2), torch.zeros(2),
+                               torch.empty(4, 2, 4))
+
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.tree_conv_rows(x.double(), torch.randn(2, 8, 3).double(), torch.tensor([0]), torch.tensor([0]),
                                torch.tensor([[0]]), torch.tensor([[0, 0, 0]]), torch.randn(8, 3), torch.empty(0),
                                True, x.double())
     with pytest.raises(RuntimeError, match="topological"):
-        cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
-                               torch.randn(2, 2, 4, 8), torch.tensor([0]), torch.tensor([[0, 1]]),
-                               torch.tensor([-1, 1]), -torch.ones(2), torch.ones(2), torch.zeros(2),
-                               torch.empty(4, 2, 4))
+        scan(0, [-1, 1])
     with pytest.raises(RuntimeError, match="a token row out of range"):
         cpu_ops.tree_conv_rows(x, torch.randn(2, 8, 3), torch.tensor([0]), torch.tensor([0]), torch.tensor([[4]]),
                                torch.tensor([[0, 1, 2]]), torch.randn(8, 3), torch.empty(0), True, x.clone())
     with pytest.raises(RuntimeError, match="a state slot out of range"):
-        cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
-                               torch.randn(2, 2, 4, 8), torch.tensor([2]), torch.tensor([[0, 1]]),
-                               torch.tensor([-1, 0]), -torch.ones(2), torch.ones(2), torch.zeros(2),
-                               torch.empty(4, 2, 4))
+        scan(2, [-1, 0])
+    scan(1, [-1, 0])  # the same call with a valid slot runs
     with pytest.raises(RuntimeError, match="past the conv state"):
         cpu_ops.tree_conv_commit(torch.zeros(2, 8, 4), torch.tensor([0]), torch.tensor([2]), torch.zeros(1, 3, 8),
                                  torch.zeros(1, 2, 8), torch.tensor([[0, 1]]))

@@ -155,6 +155,11 @@ class _ScanGroup:
     A: torch.Tensor  # (heads,)
     B: torch.Tensor  # (b, n, groups, dstate)
 
+    def committed_slots(self) -> list[int]:
+        """Each request's slot for the committed state: slot ``a`` of its table, ``a`` accepted
+        (after :meth:`TreeStep.verify`)."""
+        return [slots[a] for slots, a in zip(self.slots, self.group.accepted())]
+
 
 @dataclass
 class RowGroup:
@@ -357,8 +362,7 @@ class TreeStep:
             cpu_ops.ops().tree_conv_commit(c.conv_state, torch.tensor(c.slots), accepted[id(c.group)],
                                            c.window.transpose(1, 2).contiguous(), c.xbc, c.group.paths())
         for s in scan_native:
-            dst = torch.tensor([slots[a] for slots, a in zip(s.slots, s.group.accepted())])
-            cpu_ops.ops().tree_scan_commit(s.ssm_state, dst, s.h0, s.x, s.dt, s.A, s.B, s.group.paths())
+            cpu_ops.ops().tree_scan_commit(s.ssm_state, torch.tensor(s.committed_slots()), s.h0, s.x, s.dt, s.A, s.B, s.group.paths())
         self._commit_eager(conv, scan)
 
     def _commit_eager(self, conv: list[_ConvGroup], scan: list[_ScanGroup]) -> None:
@@ -377,8 +381,7 @@ class TreeStep:
         for s in scan:
             state = s.h0.clone()
             ssm_replay(state, s.x, s.dt, s.A, s.B, scan_paths[id(s.group)], tables=scan_tables[id(s.group)])
-            dst = [slots[a] for slots, a in zip(s.slots, s.group.accepted())]
-            s.ssm_state[dst] = state.to(s.ssm_state.dtype)
+            s.ssm_state[s.committed_slots()] = state.to(s.ssm_state.dtype)
 
 
 def _split(items: list, native) -> tuple[list, list]:
