@@ -144,23 +144,72 @@ class TreeDecodingMixin:
                              f"match the cache batch {cache.batch_size}")
         pending = cache.pending
         if first or not isinstance(pending, LevelPending):
-            # slot 0: the committed state, then room for every node
-            slots = (capacity or tree.num_nodes) + 1
-            pending = LevelPending(tree, _level_states(self, cache, slots), slots)
+            pending = _start_levels(self, cache, capacity or tree.num_nodes)
         cache.reserve(tree.num_nodes)
         steps = _steps(self)
-        span = cache.capacity if steps.static else max(cache.seqlens) + tree.num_nodes
-        tables = _tables(self, tree, None, cache.lengths, span, nodes=nodes)
-        # flat NodeStates indices: each node's parent's slot (the root's: slot 0, the committed
-        # state) and its own slot (node + 1), row r's slots starting at r * slots
-        base = torch.arange(b, device=nodes.device)[:, None] * pending.slots
-        src = (tree.parents.gather(1, nodes) + 1 + base).flatten()
+        src, dst, tables = _level_inputs(self, steps, pending, tree, cache, nodes)
         logits = steps.level(self, tree.tokens.gather(1, nodes), cache.states(mamba=False),
-                             pending.layers, src, (nodes + 1 + base).flatten(), tables)
-        pending.tree = tree
-        pending.forwarded_depth = tree.max_depth
-        cache.pending = pending
+                             pending.layers, src, dst, tables)
+        _forwarded(cache, pending, tree)
         return logits
+
+    @torch.inference_mode()
+    def draft_levels(self, tokens: torch.Tensor, cache: TreeCache, levels: list, pick) -> torch.Tensor:
+        """A tree drafted level by level in one step: what ``level_forward`` over each level in
+        turn does, with the drafter's choice of children between the levels, as one call (one
+        compiled graph under compiled steps: no host work between the levels).
+
+        Args:
+            tokens: ``(b, n)`` int64, the whole tree's tokens; column 0 (the roots) is read, the
+                others are filled in by ``pick``.
+            levels: per level ``(tree, start, end)``: the tree drafted so far (a prefix of the
+                whole tree ending with this level; its structure is read, not its tokens) and
+                the nodes ``start .. end - 1`` the level runs.
+            pick: ``pick(d, logits (b, end - start, vocab), tokens)`` writes the children of
+                level ``d``'s nodes into ``tokens`` in place (a function of tensors only, so that
+                a compiled step traces it).
+        Returns:
+            the drafted tokens ``(b, n)`` (a new tensor). The cache is left as after
+            ``level_forward`` over the same levels: ``cache.commit(path)`` reads it.
+        """
+        b, n = tokens.shape
+        if b != cache.batch_size:
+            raise ValueError(f"tokens {tuple(tokens.shape)} do not match the cache batch {cache.batch_size}")
+        pending = _start_levels(self, cache, n)
+        cache.reserve(n)
+        steps = _steps(self)
+        inputs = [_level_inputs(self, steps, pending, tree, cache,
+                                torch.arange(start, end, device=tokens.device).expand(b, -1))
+                  for tree, start, end in levels]
+        spans = tuple((start, end) for _, start, end in levels)
+        out = steps.levels(self, tokens, cache.states(mamba=False), pending.layers, inputs, spans, pick)
+        _forwarded(cache, pending, levels[-1][0])
+        return out
+
+
+def _start_levels(model, cache: TreeCache, capacity: int) -> LevelPending:
+    """A new tree drafted level by level, with room for ``capacity`` nodes per row: slot 0 holds
+    the committed state, slot ``node + 1`` each node's."""
+    slots = capacity + 1
+    return LevelPending(None, _level_states(model, cache, slots), slots)
+
+
+def _level_inputs(model, steps: Steps, pending: LevelPending, tree: TokenTree, cache: TreeCache, nodes):
+    """What a level step of ``nodes (b, w)`` of ``tree`` reads besides the tokens: the flat
+    NodeStates indices of each node's parent's slot (the root's: slot 0, the committed state)
+    and of its own (node + 1), row r's slots starting at r * slots; and its tables."""
+    span = cache.capacity if steps.static else max(cache.seqlens) + tree.num_nodes
+    tables = _tables(model, tree, None, cache.lengths, span, nodes=nodes)
+    base = torch.arange(nodes.shape[0], device=nodes.device)[:, None] * pending.slots
+    src = (tree.parents.gather(1, nodes) + 1 + base).flatten()
+    return src, (nodes + 1 + base).flatten(), tables
+
+
+def _forwarded(cache: TreeCache, pending: LevelPending, tree: TokenTree) -> None:
+    """Record that ``tree``'s levels down to its deepest have run (what ``commit`` checks)."""
+    pending.tree = tree
+    pending.forwarded_depth = tree.max_depth
+    cache.pending = pending
 
 
 def _steps(model) -> Steps:

@@ -49,12 +49,24 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
     return walk(model, tokens, run)
 
 
+def levels_step(model, tokens, layers: dict, states: dict, inputs: list, spans: tuple, pick):
+    """A tree drafted level by level: level ``d`` runs the nodes ``spans[d] = (start, end)`` of
+    ``tokens (b, n)`` as :func:`level_step` does (``inputs[d] = (src, dst, tables)``), then
+    ``pick(d, logits, tokens)`` writes their children into the tokens the next level reads.
+    Returns the drafted tokens (a copy of ``tokens``, filled in)."""
+    tokens = tokens.clone()
+    for d, ((start, end), (src, dst, tables)) in enumerate(zip(spans, inputs)):
+        pick(d, level_step(model, tokens[:, start:end], layers, states, src, dst, tables), tokens)
+    return tokens
+
+
 @dataclass(frozen=True)
 class Steps:
     """The step functions a patched model runs: eager by default; ``stree.capture`` installs
     compiled ones, which need ``static`` shapes (attention over the cache's whole ``capacity``)."""
     tree: Callable = tree_step
     level: Callable = level_step
+    levels: Callable = levels_step
     static: bool = False
 
 

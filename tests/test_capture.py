@@ -9,7 +9,7 @@ import torch
 import stree
 from stree import capture
 from stree.draft.base import commit_draft, forward_level
-from stree.steps import level_step, tree_step
+from stree.steps import level_step, levels_step, tree_step
 from stree.tree import TokenTree
 from tests.test_model_hybrid import VOCAB, make_hybrid
 
@@ -88,6 +88,34 @@ def test_compiled_draft_levels_match_eager(monkeypatch):
         compiled, compiled_state = draft_and_commit(_prefilled(model))
     assert capture.compiled_steps(model).level.fn is not level_step
     for c, e in zip(compiled + compiled_state, eager + eager_state):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["caterpillar:2,2,2", "static:2,4"])
+def test_compiled_greedy_draft_is_one_graph_matching_eager(monkeypatch, spec):
+    """A greedy static draft (every level and the choice of children between them) through one
+    fullgraph capture: the eager draft's tokens, and the same committed states after it."""
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model, drafter = _model(), parse_drafter(spec)
+
+    def draft_and_commit(cache):
+        draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig())
+        last = draft.tree.num_nodes - 1
+        path = torch.tensor([[0, int(draft.tree.parents[0, last]), last], [0, 1, -1]])
+        assert commit_draft(model, cache, draft.tree, path, [3, 2], [last, 1], drafter.ran)
+        return [draft.tree.tokens] + [t.clone() for c in cache.layers.values() for t in vars(c).values()]
+
+    eager = draft_and_commit(_prefilled(model))
+    with capture.compiled(model):
+        compiled = draft_and_commit(_prefilled(model))
+        again = draft_and_commit(_prefilled(model))  # the graph run again
+    assert capture.compiled_steps(model).levels.fn is not levels_step
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(again[0], eager[0])
+    for c, e in zip(compiled[1:], eager[1:]):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
 
 

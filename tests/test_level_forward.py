@@ -94,7 +94,8 @@ def test_commit_runs_no_level_when_every_path_ends_at_a_forwarded_node():
     calls = []
     model.level_forward = lambda *a, **k: calls.append(a)  # must not be needed
     paths = [[0, 2, 4], [0]]
-    assert commit_draft(model, cache, tree, torch.tensor([paths[0], [0, -1, -1]]), [3, 1], [4, 0], lambda node: node < 5)
+    assert commit_draft(model, cache, tree, torch.tensor([paths[0], [0, -1, -1]]), [3, 1], [4, 0],
+                        lambda node: node < 5)
     assert not calls
     for r in range(2):
         oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
@@ -113,9 +114,15 @@ def test_caterpillar_runs_only_its_spine_and_commits_paths_ending_at_any_leaf():
     assert [drafter.ran(i) for i in range(8)] == [True, True, False, True, False, False, False, False]
     prompts = [[3, 9, 4], [7, 1, 2, 8]]
     runs = []
-    forward = model.level_forward
+    forward, draft_levels = model.level_forward, model.draft_levels
     model.level_forward = lambda tree, cache, nodes, **k: runs.append(nodes.tolist()) or forward(
         tree, cache, nodes, **k)
+
+    def recorded(tokens, cache, levels, pick):  # a greedy draft runs its levels in one call
+        runs.extend([list(range(s, e))] * len(tokens) for _, s, e in levels)
+        return draft_levels(tokens, cache, levels, pick)
+
+    model.draft_levels = recorded
     for paths in ([[0, 2], [0, 1, 3, 7]], [[0, 1, 5], [0]]):
         cache = model.allocate_tree_cache(2, 64)
         model.prefill([torch.tensor(p) for p in prompts], cache)
@@ -133,3 +140,47 @@ def test_caterpillar_runs_only_its_spine_and_commits_paths_ending_at_any_leaf():
         for r in range(2):
             oracles[r].feed([int(draft.tree.tokens[r, j]) for j in paths[r]])
             check_states(model, cache, oracles[r], row=r)
+
+
+@pytest.mark.parametrize("attn_layers", [(), (1,)], ids=["mamba-only", "hybrid"])
+@pytest.mark.parametrize("spec", ["static:2,4,2", "caterpillar:3,2,2", "chain:3"])
+def test_greedy_draft_in_one_call_picks_the_oracle_top_children(attn_layers, spec):
+    """A greedy static draft runs all its levels in one ``draft_levels`` call (no
+    ``level_forward``): each node that ran has as children the top tokens of token-by-token
+    decoding's logits after its root path, in rank order; the commit then gives that decoding's
+    states."""
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    torch.manual_seed(3)
+    model = stree.patch(make_hybrid(attn_layers, seed=13))
+    drafter = parse_drafter(spec)
+    prompts = [[3, 9, 4], [7, 1, 2, 8, 5]]
+    cache = model.allocate_tree_cache(2, 64)
+    model.prefill([torch.tensor(p) for p in prompts], cache)
+    oracles = [StepOracle(model) for _ in prompts]
+    for o, p in zip(oracles, prompts):
+        o.feed(p)
+    forward = model.level_forward
+    model.level_forward = lambda *a, **k: pytest.fail("a greedy static draft ran level by level")
+    draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig())
+    model.level_forward = forward
+    tree = draft.tree
+    for r in range(2):
+        logits = oracles[r].node_logits(tree, row=r)
+        for node in range(tree.num_nodes):
+            children = tree.children(r, node)
+            if drafter.ran(node) and children:
+                top = logits[node].topk(len(children)).indices.tolist()
+                assert [int(tree.tokens[r, c]) for c in children] == top, f"row {r} node {node}"
+    deepest = tree.num_nodes - 1  # a path to the last node (in the never-run deepest layer)
+    path = [deepest]
+    while path[-1]:
+        path.append(int(tree.parents[0, path[-1]]))
+    paths = [path[::-1], [0]]
+    width = len(paths[0])
+    assert commit_draft(model, cache, tree, torch.tensor([p + [-1] * (width - len(p)) for p in paths]),
+                        [len(p) for p in paths], [p[-1] for p in paths], drafter.ran)
+    for r in range(2):
+        oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
+        check_states(model, cache, oracles[r], row=r)

@@ -9,6 +9,7 @@ greedy sampling and ``"without_replacement"`` otherwise.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -95,6 +96,16 @@ class StaticTreeDrafter(Drafter):
             self._templates[key] = TokenTree(tokens, self.parents[:e])
         return self._templates[key].with_tokens(tokens, trusted=True)
 
+    def _greedy_pick(self, mode: str):
+        """The ``pick`` of ``draft_levels`` at greedy sampling (one per mode, kept: a compiled
+        step guards on it)."""
+        key = ("pick", mode)
+        if key not in self._templates:
+            plan = tuple((self._fanout[d], cs, ce, self._parent_col[cs:ce], self._rank[cs:ce])
+                         for d, (cs, ce) in enumerate(self._bounds[1:]))
+            self._templates[key] = functools.partial(_place_children, plan, mode)
+        return self._templates[key]
+
     @classmethod
     def from_widths(cls, widths: Sequence[int], mode: str | None = None,
                     name: str = "static") -> "StaticTreeDrafter":
@@ -145,6 +156,10 @@ class StaticTreeDrafter(Drafter):
         b, n = roots.shape[0], self.num_nodes
         tokens = torch.zeros(b, n, dtype=torch.long, device=device)
         tokens[:, 0] = roots
+        if sampling.is_greedy and mode != "without_replacement" and hasattr(model, "draft_levels"):
+            # nothing random to draw: every level and every choice in one call
+            levels = [(self.tree(tokens[:, :e]), self._bounds[d][0], e) for d, e in enumerate(self._run_end)]
+            return Draft(self.tree(model.draft_levels(tokens, cache, levels, self._greedy_pick(mode))), None, mode)
         parent_col = torch.tensor(self._parent_col, device=device)
         rank = torch.tensor(self._rank, device=device)
         q = None
@@ -158,3 +173,15 @@ class StaticTreeDrafter(Drafter):
                 q[:, s:e] = probs
             tokens[:, cs:ce] = picks[:, parent_col[cs:ce], rank[cs:ce]]
         return Draft(self.tree(tokens), q, mode)
+
+
+GREEDY = SamplingConfig()
+
+
+def _place_children(plan: tuple, mode: str, d: int, logits: Tensor, tokens: Tensor) -> None:
+    """Level ``d``'s greedy choice (``pick_children`` at greedy sampling) written in place into
+    ``tokens``: the children layer ``cs .. ce`` of ``plan[d] = (fanout, cs, ce, parent columns,
+    sibling ranks)``."""
+    fanout, cs, ce, cols, ranks = plan[d]
+    picks, _ = pick_children(logits, fanout, mode, GREEDY)
+    tokens[:, cs:ce] = picks[:, list(cols), list(ranks)]
