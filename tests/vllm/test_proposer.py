@@ -200,3 +200,35 @@ def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforc
             spine.append(int(drafted.tokens[0, node]))
         history = history + spine + [(spine[-1] + 1) % 4096]  # all accepted, then a bonus token
     assert len(one_token) == 2
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_several_tokens_behind_caught_up_as_a_chain_draft_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
+    """A merged tree's draft falls several tokens behind when the target accepts suffix nodes
+    it never ran (here: tokens outside its tree, 2 to 9 a step): compiled, they are run as one
+    padded chain (a compiled tree step) instead of a prefill; the next drafts equal those of a
+    fresh proposer that prefills the whole history."""
+    tree = "caterpillar:2,2,2+suffix:16"
+    monkeypatch.setenv(ENV, "")
+    DraftSpec(DRAFT, tree).to_env()
+
+    def proposer(eager):
+        config = _config(tree, eager, 2)
+        config.model_config.get_vocab_size = lambda: 4096
+        return StreeProposer(config)
+
+    drafting = proposer(enforce_eager)
+    history, chains = [0, 5, 17, 33, 80, 100], []
+    original = drafting._chain
+    monkeypatch.setattr(drafting, "_chain",
+                        lambda cache, tokens: chains.append(len(tokens[0])) or original(cache, tokens))
+    for step, extra in enumerate([2, 9, 3, 5]):
+        drafting.bind(["r"])
+        drafts = drafting.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0]
+        fresh = proposer(True)
+        fresh.bind(["r"])
+        assert drafts == fresh.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0], step
+        history = history + [(history[-1] * 7 + 3 * i + 1) % 4000 + 50 for i in range(extra)]
+    # a short prompt too (5 tokens before its root); then each step's root and the tokens after
+    # it, less the new root
+    assert chains == ([] if enforce_eager else [5, 2, 9, 3])
