@@ -187,8 +187,8 @@ class StreeProposer:
         """Called by vLLM at start-up with the target (the draft is ours): compile the draft's
         levels for the padded batch sizes up to ``PRECOMPILED`` now, on free slots (a request's
         first draft zeroes its slot), and for a merged tree its catch-up chains for one request;
-        and build stree's C++ CPU ops for the target's tree rows
-        (once per machine, cached), so the first tree step does not wait for a compiler."""
+        and build stree's C++ CPU ops for the target's tree rows (once per machine, cached), so
+        the first tree step does not wait for a compiler."""
         from vllm.platforms import current_platform
 
         if self.stree_verifies and current_platform.is_cpu():
