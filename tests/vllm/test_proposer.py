@@ -168,11 +168,8 @@ def test_suffix_trees_of_sampled_requests_only_where_asked(monkeypatch, tree):
         assert len(drafts[False]["s"]) == 6 < len(drafts[True]["s"])
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
-    """A merged tree whose draft part is accepted to its deepest node leaves the draft one token
-    behind (that node, which the draft never ran), caught up as a one-node level instead of a
-    prefill: the next drafts equal those of a fresh proposer that prefills the whole history."""
+def _merged(monkeypatch):
+    """A factory of proposers (``enforce_eager`` its argument) of a merged tree, two slots."""
     tree = "caterpillar:2,2,2+suffix:16"
     monkeypatch.setenv(ENV, "")
     DraftSpec(DRAFT, tree).to_env()
@@ -182,6 +179,15 @@ def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforc
         config.model_config.get_vocab_size = lambda: 4096
         return StreeProposer(config)
 
+    return proposer
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
+    """A merged tree whose draft part is accepted to its deepest node leaves the draft one token
+    behind (that node, which the draft never ran), caught up as a one-node level instead of a
+    prefill: the next drafts equal those of a fresh proposer that prefills the whole history."""
+    proposer = _merged(monkeypatch)
     drafting = proposer(enforce_eager)
     drafting.load_model(None)
     history, one_token = [0, 5, 17, 33, 80, 100], []
@@ -203,20 +209,13 @@ def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforc
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_several_tokens_behind_caught_up_as_a_chain_draft_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
+def test_several_tokens_behind_caught_up_as_a_chain_draft_what_a_fresh_prefill_does(monkeypatch,
+                                                                                    enforce_eager):
     """A merged tree's draft falls several tokens behind when the target accepts suffix nodes
     it never ran (here: tokens outside its tree, 2 to 9 a step): compiled, they are run as one
     padded chain (a compiled tree step) instead of a prefill; the next drafts equal those of a
     fresh proposer that prefills the whole history."""
-    tree = "caterpillar:2,2,2+suffix:16"
-    monkeypatch.setenv(ENV, "")
-    DraftSpec(DRAFT, tree).to_env()
-
-    def proposer(eager):
-        config = _config(tree, eager, 2)
-        config.model_config.get_vocab_size = lambda: 4096
-        return StreeProposer(config)
-
+    proposer = _merged(monkeypatch)
     drafting = proposer(enforce_eager)
     history, chains = [0, 5, 17, 33, 80, 100], []
     original = drafting._chain
