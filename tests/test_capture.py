@@ -290,3 +290,27 @@ def test_compiled_linears_take_the_eager_packed_kernel():
     with inductor_config.patch(capture.FREEZING):
         theirs = kernels(plain, x)
     assert "mkldnn::_linear_pointwise" not in theirs and theirs.get("mkl::_mkl_linear") == 2
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch's oneDNN CPU kernels")
+def test_a_weight_used_twice_in_a_compiled_step_is_packed_once():
+    """A linear called twice in one compiled step (a draft's levels, each running the same
+    layers) reads one packed copy of its weight, not one per call (inductor's default here)."""
+    import re
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    big = torch.nn.Linear(512, 512, bias=False)
+
+    def fn(x):
+        return big(torch.relu(big(x)))
+
+    x = torch.randn(1, 512)
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False):  # compiled here, not read back
+        out, code = run_and_get_code(capture.compile_step(fn), x)
+    torch.testing.assert_close(out, fn(x), rtol=1e-4, atol=1e-4)
+    calls = re.findall(r"mkldnn\._linear_pointwise\.\w+\([^\n]*?(_frozen_param\d+)", "\n".join(code))
+    assert len(calls) == 2 and len(set(calls)) == 1, calls
+    torch._dynamo.reset()
