@@ -362,7 +362,8 @@ class TreeStep:
             cpu_ops.ops().tree_conv_commit(c.conv_state, torch.tensor(c.slots), accepted[id(c.group)],
                                            c.window.transpose(1, 2).contiguous(), c.xbc, c.group.paths())
         for s in scan_native:
-            cpu_ops.ops().tree_scan_commit(s.ssm_state, torch.tensor(s.committed_slots()), s.h0, s.x, s.dt, s.A, s.B, s.group.paths())
+            cpu_ops.ops().tree_scan_commit(s.ssm_state, torch.tensor(s.committed_slots()), s.h0, s.x, s.dt, s.A, s.B,
+                                           s.group.paths())
         self._commit_eager(conv, scan)
 
     def _commit_eager(self, conv: list[_ConvGroup], scan: list[_ScanGroup]) -> None:
