@@ -263,6 +263,7 @@ class LevelPending(PendingTree):
     scratch as usual. ``forwarded_depth``: depth of the deepest forwarded node (host-side)."""
     slots: int = 0
     forwarded_depth: int = -1
+    lead: list[int] | None = None  # per row, tokens run before the root (``draft_levels``' lead)
 
 
 class TreeCache:
@@ -406,7 +407,8 @@ class TreeCache:
         for idx, acts in self.pending.layers.items():
             acts.commit(states[idx], path, self.lengths, shared)
         self.store(states)
-        self.advance(counts)
+        lead = getattr(self.pending, "lead", None)
+        self.advance(counts if lead is None else [c and c + n for c, n in zip(counts, lead)])
         self.pending = None
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 from stree import capture, native
 from stree.cache import SEQLEN_CHUNK
 from stree.draft import ChainDrafter, Drafter, StaticTreeDrafter, parse_drafter
-from stree.draft.base import commit_draft
+from stree.draft.base import MAX_LEAD, commit_draft, lead_tensor
 from stree.draft.suffix_index import SuffixCache
 from stree.inputs import stop_ids, token_id, token_ids, vocab_size
 from stree.limits import cap_new_tokens, context_limit
@@ -312,14 +312,17 @@ def _emit(row: list[int], tokens: list[int], max_new_tokens: int, eos: set[int],
 class _DraftSide:
     """The drafter, and the draft model with its cache, kept in step with the target's committed
     sequence: the draft cache holds every committed token before the root, except a backlog of
-    tokens the draft never ran (accepted suffix-tree nodes, steps drafted without the model),
-    which is prefilled in one call when the model next drafts."""
+    tokens the draft never ran (accepted suffix-tree nodes, steps drafted without the model, and
+    where the drafter takes a lead the accepted nodes of its never-run deepest level), which the
+    next draft runs as its lead (in its roots' pass) or, where it takes none or the backlog is
+    longer than ``MAX_LEAD``, which is prefilled in one call when the model next drafts."""
 
     def __init__(self, model, drafter: Drafter, batch_size: int, max_seqlen: int,
                  stats: GenerationStats):
         self.model, self.drafter, self.stats = model, drafter, stats
         self.cache = None if model is None else model.allocate_tree_cache(batch_size, max_seqlen)
         self.backlog: list[list[int]] = [[] for _ in range(batch_size)]
+        self.leads = False  # whether the last draft took a lead (set by draft)
 
     def prefill(self, prompts: list[Tensor]) -> None:
         if self.model is not None:
@@ -328,9 +331,15 @@ class _DraftSide:
             self.drafter.start([p.tolist() for p in prompts])
 
     def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
+        self.leads = self.model is not None and self.drafter.takes_lead(self.model, sampling)
+        lead = None
         if self.model is not None and any(self.backlog) and self.drafter.wants_draft_model(roots):
-            self._catch_up()
-        d = self.drafter.draft(self.model, self.cache, roots, sampling, generator)
+            if self.leads and max(map(len, self.backlog)) <= MAX_LEAD:  # committed with the next commit
+                lead, self.backlog = lead_tensor(self.backlog), [[] for _ in self.backlog]
+            else:
+                self._catch_up()
+        args = (self.model, self.cache, roots, sampling, generator)
+        d = self.drafter.draft(*args) if lead is None else self.drafter.draft(*args, lead=lead)
         self.stats.draft_calls += self.drafter.draft_runs  # a dynamic drafter's: per draft
         return d
 
@@ -341,7 +350,7 @@ class _DraftSide:
         if self.model is None:
             return
         ran = self.drafter.ran
-        if not self.drafter.reads_context:  # a draft model's tree: the draft ran all of the path
+        if not (self.drafter.reads_context or self.leads):  # the draft model runs the whole path
             last_nodes = [row[c - 1] if c else -1 for row, c in zip(nodes, counts)]
             if commit_draft(self.model, self.cache, tree, path, counts, last_nodes, ran):
                 return
@@ -353,8 +362,8 @@ class _DraftSide:
             steps = torch.arange(path.shape[1], device=path.device).expand_as(path)
             self.cache.commit(torch.where(path >= 0, steps, -1), counts)
             return
-        # Suffix and merged trees: commit the part of each row's path the draft ran, keep the
-        # rest for the next catch-up.
+        # Suffix and merged trees, drafts that take a lead: commit the part of each row's path
+        # the draft ran, keep the rest for the next lead or catch-up.
         runs = [next((j for j, u in enumerate(row[:c]) if not ran(u)), c) for row, c in zip(nodes, counts)]
         if any(runs):
             cols = torch.arange(path.shape[1], device=path.device)

@@ -154,7 +154,8 @@ class TreeDecodingMixin:
         return logits
 
     @torch.inference_mode()
-    def draft_levels(self, tokens: torch.Tensor, cache: TreeCache, levels: list, pick) -> torch.Tensor:
+    def draft_levels(self, tokens: torch.Tensor, cache: TreeCache, levels: list, pick,
+                     lead: list[list[int]] | None = None) -> torch.Tensor:
         """A tree drafted level by level in one step: what ``level_forward`` over each level in
         turn does, with the drafter's choice of children between the levels, as one call (one
         compiled graph under compiled steps: no host work between the levels).
@@ -168,6 +169,13 @@ class TreeDecodingMixin:
             pick: ``pick(d, logits (b, end - start, vocab), tokens)`` writes the children of
                 level ``d``'s nodes into ``tokens`` in place (a function of tensors only, so that
                 a compiled step traces it).
+            lead: ``(b, c)`` int64 host tensor or None: per row the tokens between the committed
+                state and the root that the model has not run (a node of its last tree it never
+                forwarded, tokens of a merged tree's other part), in its last columns, -1 before
+                them. They run in the roots' pass, one read of the weights for both
+                (attention-free models only, see :attr:`runs_lead`), and are committed with the
+                next ``cache.commit`` of a non-empty path, before it (an empty path commits
+                neither).
         Returns:
             the drafted tokens ``(b, n)`` (a new tensor). The cache is left as after
             ``level_forward`` over the same levels: ``cache.commit(path)`` reads it.
@@ -175,16 +183,45 @@ class TreeDecodingMixin:
         b, n = tokens.shape
         if b != cache.batch_size:
             raise ValueError(f"tokens {tuple(tokens.shape)} do not match the cache batch {cache.batch_size}")
+        lead, lead_counts = _lead(self, lead, b, tokens.device)
         pending = _start_levels(self, cache, n)
-        cache.reserve(n)
+        cache.reserve(n if lead is None else [n + c for c in lead_counts])
         steps = _steps(self)
         inputs = [_level_inputs(self, steps, pending, tree, cache,
                                 torch.arange(start, end, device=tokens.device).expand(b, -1))
                   for tree, start, end in levels]
         spans = tuple((start, end) for _, start, end in levels)
-        out = steps.levels(self, tokens, cache.states(mamba=False), pending.layers, inputs, spans, pick)
+        out = steps.levels(self, tokens, cache.states(mamba=False), pending.layers, inputs, spans, pick, lead)
         _forwarded(cache, pending, levels[-1][0])
+        pending.lead = lead_counts
         return out
+
+    @property
+    def runs_lead(self) -> bool:
+        """Whether ``draft_levels`` takes a ``lead``: a model without attention layers, whose
+        state does not depend on the positions the lead would shift."""
+        return all(mamba2.is_mamba2(mixer) for _, mixer in mixers(self))
+
+
+def _lead(model, lead, b: int, device) -> tuple[torch.Tensor | None, list[int] | None]:
+    """``draft_levels``' ``lead`` checked, on ``device``, and each row's token count (host);
+    ``(None, None)`` when no row has one."""
+    if lead is None:
+        return None, None
+    lead = torch.as_tensor(lead, dtype=torch.long)
+    if lead.dim() != 2 or lead.shape[0] != b:
+        raise ValueError(f"lead must be (batch={b}, c) token ids, got {tuple(lead.shape)}")
+    present = lead >= 0
+    counts = present.sum(1)
+    if not bool(counts.any()):
+        return None, None
+    if not model.runs_lead:
+        raise ValueError("a lead (tokens run before the roots) needs a draft model without attention layers")
+    if not torch.equal(present, torch.arange(lead.shape[1]) >= lead.shape[1] - counts[:, None]):
+        raise ValueError("a lead row's tokens must be its last columns (-1 only before them)")
+    if int(lead.max()) >= _vocab_size(model):
+        raise ValueError(f"lead token ids must lie in [0, {_vocab_size(model)})")
+    return lead.to(device), counts.tolist()
 
 
 def _start_levels(model, cache: TreeCache, capacity: int) -> LevelPending:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from stree.layers import attention, mamba2
 from stree.walk import mixers, walk
 
@@ -28,20 +30,25 @@ def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
     return walk(model, tokens, run), acts
 
 
-def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict):
+def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict, lead=None):
     """Logits ``(b, w, vocab)`` of ``w`` level nodes per row (tokens ``(b, w)``), each run from
     the :class:`NodeStates` slot ``src (b * w,)`` of ``states`` (its parent's), its own state
-    written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch."""
+    written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch.
+
+    ``lead (b, c)`` bool (a level of one node per row, attention-free models only): the row's
+    first ``c`` tokens are a chain run from ``src`` before its node, in the same pass (False:
+    left padding, the state unchanged); ``w = c + 1``, the node's logits are the last column."""
     b, w = tokens.shape
     attn = attention_tables(model, tables, layers)
+    valid = None if lead is None else torch.cat([lead, lead.new_ones(b, 1)], 1)
 
     def run(idx, mixer, h):
         if idx not in tables["consts"]:
             return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
         ns = states[idx]
-        out, conv, ssm = mamba2.node_step(mixer, h.reshape(b * w, 1, -1),
+        out, conv, ssm = mamba2.node_step(mixer, h if lead is not None else h.reshape(b * w, 1, -1),
                                           ns.conv.index_select(0, src),
-                                          ns.ssm.index_select(0, src), tables["consts"][idx])
+                                          ns.ssm.index_select(0, src), tables["consts"][idx], valid)
         ns.conv.index_copy_(0, dst, conv)
         ns.ssm.index_copy_(0, dst, ssm)
         return out.view(b, w, -1)
@@ -49,14 +56,20 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
     return walk(model, tokens, run)
 
 
-def levels_step(model, tokens, layers: dict, states: dict, inputs: list, spans: tuple, pick):
+def levels_step(model, tokens, layers: dict, states: dict, inputs: list, spans: tuple, pick, lead=None):
     """A tree drafted level by level: level ``d`` runs the nodes ``spans[d] = (start, end)`` of
     ``tokens (b, n)`` as :func:`level_step` does (``inputs[d] = (src, dst, tables)``), then
     ``pick(d, logits, tokens)`` writes their children into the tokens the next level reads.
-    Returns the drafted tokens (a copy of ``tokens``, filled in)."""
+    ``lead (b, c)`` int64 (-1: left padding) or None: tokens run before the roots, in the roots'
+    pass (:func:`level_step`). Returns the drafted tokens (a copy of ``tokens``, filled in)."""
     tokens = tokens.clone()
     for d, ((start, end), (src, dst, tables)) in enumerate(zip(spans, inputs)):
-        pick(d, level_step(model, tokens[:, start:end], layers, states, src, dst, tables), tokens)
+        if d == 0 and lead is not None:
+            chain = torch.cat([lead.clamp(min=0), tokens[:, start:end]], 1)
+            logits = level_step(model, chain, layers, states, src, dst, tables, lead >= 0)[:, -1:]
+        else:
+            logits = level_step(model, tokens[:, start:end], layers, states, src, dst, tables)
+        pick(d, logits, tokens)
     return tokens
 
 

@@ -91,19 +91,23 @@ def test_compiled_draft_levels_match_eager(monkeypatch):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["caterpillar:2,2,2", "static:2,4"])
-def test_compiled_greedy_draft_is_one_graph_matching_eager(monkeypatch, spec):
-    """A greedy static draft (every level and the choice of children between them) through one
-    fullgraph capture: the eager draft's tokens, and the same committed states after it."""
+@pytest.mark.parametrize("spec,lead", [("caterpillar:2,2,2", None), ("static:2,4", None),
+                                       ("caterpillar:2,2,2", [[-1, 7], [2, 3]])], ids=["caterpillar", "static", "lead"])
+def test_compiled_greedy_draft_is_one_graph_matching_eager(monkeypatch, spec, lead):
+    """A greedy static draft (every level and the choice of children between them, after the
+    tokens it is behind where it has a ``lead``) through one fullgraph capture: the eager
+    draft's tokens, and the same committed states after it."""
     from stree.draft import parse_drafter
     from stree.sampling import SamplingConfig
 
     monkeypatch.setattr(capture, "BACKEND", "aot_eager")
     torch.manual_seed(0)
-    model, drafter = _model(), parse_drafter(spec)
+    model = stree.patch(make_hybrid((), seed=7)) if lead else _model()  # a lead: attention-free
+    drafter = parse_drafter(spec)
 
     def draft_and_commit(cache):
-        draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig())
+        draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig(),
+                              lead=None if lead is None else torch.tensor(lead))
         last = draft.tree.num_nodes - 1
         path = torch.tensor([[0, int(draft.tree.parents[0, last]), last], [0, 1, -1]])
         assert commit_draft(model, cache, draft.tree, path, [3, 2], [last, 1], drafter.ran)

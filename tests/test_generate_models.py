@@ -155,3 +155,23 @@ def test_level_drafting_drafts_what_rerunning_the_tree_drafts(drafter):
     rerun = stree.generate(target, TreeForwardOnly(draft), PROMPTS, 64, drafter=drafter)
     assert new_tokens(level) == new_tokens(rerun)
     assert level.stats.accept_hist == rerun.stats.accept_hist and level.stats.tau > 1.2
+
+
+@pytest.mark.parametrize("drafter", ["caterpillar:2,2,2,2", "caterpillar:2,2,2+suffix:16"])
+def test_a_greedy_static_draft_runs_what_it_is_behind_as_its_lead(monkeypatch, mamba_pair, mamba_reference,
+                                                                  drafter):
+    """A greedy static draft of an attention-free draft model never runs the accepted leaf of
+    its last tree (or a merged tree's accepted suffix nodes) by a forward of its own: the next
+    draft runs them as its lead; the output is still the target's greedy decoding."""
+    target, draft = mamba_pair
+    leads, prefills = [], []
+    draft_levels, prefill = draft.draft_levels, draft.prefill
+    monkeypatch.setattr(draft, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
+        lead) or draft_levels(tokens, cache, levels, pick, lead))
+    monkeypatch.setattr(draft, "level_forward", lambda *a, **k: pytest.fail("a level ran outside a draft"))
+    monkeypatch.setattr(draft, "prefill", lambda ids, cache: prefills.append(len(leads)) or prefill(ids, cache))
+    out = stree.generate(target, draft, PROMPTS, N_NEW, drafter=drafter)
+    assert new_tokens(out) == mamba_reference
+    ran = [lead for lead in leads if lead is not None]
+    assert len(ran) > len(leads) // 10 and all(lead.shape[1] in (1, 2, 4, 8, 16) for lead in ran)
+    assert prefills and set(prefills) == {0}  # the prompts only, before the first draft

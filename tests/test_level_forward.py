@@ -118,9 +118,9 @@ def test_caterpillar_runs_only_its_spine_and_commits_paths_ending_at_any_leaf():
     model.level_forward = lambda tree, cache, nodes, **k: runs.append(nodes.tolist()) or forward(
         tree, cache, nodes, **k)
 
-    def recorded(tokens, cache, levels, pick):  # a greedy draft runs its levels in one call
+    def recorded(tokens, cache, levels, pick, lead=None):  # a greedy draft runs its levels in one call
         runs.extend([list(range(s, e))] * len(tokens) for _, s, e in levels)
-        return draft_levels(tokens, cache, levels, pick)
+        return draft_levels(tokens, cache, levels, pick, lead)
 
     model.draft_levels = recorded
     for paths in ([[0, 2], [0, 1, 3, 7]], [[0, 1, 5], [0]]):
@@ -184,3 +184,64 @@ def test_greedy_draft_in_one_call_picks_the_oracle_top_children(attn_layers, spe
     for r in range(2):
         oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r]])
         check_states(model, cache, oracles[r], row=r)
+
+
+@pytest.mark.parametrize("spec", ["caterpillar:3,2,2", "chain:3"])
+@pytest.mark.parametrize("leads", [[[11], [4]], [[11, 12, 2], []], [[], [8, 1]]], ids=["one-each", "ragged", "second"])
+def test_a_lead_runs_in_the_roots_pass_as_token_by_token_decoding(spec, leads):
+    """Tokens the draft is behind (``lead``) run in the roots' pass of a greedy one-call draft
+    (rows with fewer are left-padded): the tree is the oracle's after prompt + lead, nothing is
+    committed until the next commit, which commits lead and path together; a row whose path is
+    empty commits neither."""
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    torch.manual_seed(5)
+    model = stree.patch(make_hybrid((), seed=17))
+    drafter = parse_drafter(spec)
+    assert model.runs_lead and drafter.takes_lead(model, SamplingConfig())
+    prompts = [[3, 9, 4], [7, 1, 2, 8, 5]]
+    cache = model.allocate_tree_cache(2, 64)
+    model.prefill([torch.tensor(p) for p in prompts], cache)
+    oracles = [StepOracle(model) for _ in prompts]
+    for o, p in zip(oracles, prompts):
+        o.feed(p)
+    before = [t.clone() for c in cache.layers.values() for t in vars(c).values()]
+    width = max(len(t) for t in leads)
+    lead = torch.tensor([[-1] * (width - len(t)) + t for t in leads])
+    draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig(), lead=lead)
+    assert cache.seqlens == [len(p) for p in prompts]
+    assert all(torch.equal(a, t) for a, t in zip(before, [t for c in cache.layers.values() for t in vars(c).values()]))
+    tree = draft.tree
+    for r in range(2):
+        after_lead = oracles[r].fork()
+        if leads[r]:
+            after_lead.feed(leads[r])
+        logits = after_lead.node_logits(tree, row=r)
+        for node in range(tree.num_nodes):
+            children = tree.children(r, node)
+            if drafter.ran(node) and children:
+                top = logits[node].topk(len(children)).indices.tolist()
+                assert [int(tree.tokens[r, c]) for c in children] == top, f"row {r} node {node}"
+    path = [0]
+    while tree.children(0, path[-1]) and drafter.ran(tree.children(0, path[-1])[0]):
+        path.append(tree.children(0, path[-1])[0])
+    assert commit_draft(model, cache, tree, torch.tensor([path, [-1] * len(path)]), [len(path), 0],
+                        [path[-1], -1], drafter.ran)
+    oracles[0].feed(leads[0] + [int(tree.tokens[0, j]) for j in path])
+    for r in range(2):
+        check_states(model, cache, oracles[r], row=r)
+
+
+def test_a_lead_is_refused_where_attention_would_need_its_positions():
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    model = stree.patch(make_hybrid((1,), seed=13))
+    drafter = parse_drafter("chain:3")
+    assert not model.runs_lead and not drafter.takes_lead(model, SamplingConfig())
+    cache = model.allocate_tree_cache(1, 64)
+    model.prefill(torch.tensor([[3, 9, 4]]), cache)
+    with pytest.raises(ValueError, match="without attention layers"):
+        drafter.draft(model, cache, torch.tensor([5]), SamplingConfig(), lead=torch.tensor([[7]]))
+    assert cache.seqlens == [3] and cache.pending is None

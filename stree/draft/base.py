@@ -103,6 +103,13 @@ class Drafter(ABC):
         prompts (:meth:`start`) and the outputs (:meth:`finish`)."""
         return False
 
+    def takes_lead(self, model, sampling: SamplingConfig) -> bool:
+        """Whether :meth:`draft` takes ``lead=``: per row the committed tokens between the
+        draft cache's state and the root that the draft model has not run, run in the roots'
+        pass instead of a forward of their own (``model.draft_levels``' lead; committed with
+        the next commit of the draft). Without it the caller runs them first."""
+        return False
+
     def wants_draft_model(self, roots: Tensor) -> bool:
         """Whether the next :meth:`draft` (of ``roots (b,)``) runs the draft model, so that the
         loop first brings the draft's cache up to the committed tokens (a drafter that picks per
@@ -191,6 +198,25 @@ def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Te
         nodes = torch.arange(start, end, device=tree.device).expand(b, -1)
         return model.level_forward(tree, cache, nodes, first=start == 0, capacity=capacity)
     return model.tree_forward(tree, cache)[:, start:end]
+
+
+# The most tokens a draft that takes a lead (``Drafter.takes_lead``) runs in its roots' pass; a
+# draft further behind is caught up by a forward of its own first.
+MAX_LEAD = 16
+
+
+def lead_tensor(rows: list[list[int]]) -> Tensor | None:
+    """Each row's tokens a draft is behind (at most ``MAX_LEAD``) as its ``lead``: ``(b, c)``
+    int64 on the host, a row's tokens in its last columns and -1 before them, ``c`` the next
+    power of two of the longest (a compiled draft then has a few graphs, not one per length);
+    None when no row has any."""
+    longest = max(map(len, rows), default=0)
+    if not longest:
+        return None
+    if longest > MAX_LEAD:
+        raise ValueError(f"a lead of {longest} tokens: at most {MAX_LEAD} run in a draft's roots' pass")
+    width = 1 << (longest - 1).bit_length()
+    return torch.tensor([[-1] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
 
 
 def commit_draft(model, cache, tree, path: Tensor, counts: list[int], last_nodes: list[int],

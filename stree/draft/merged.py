@@ -146,9 +146,13 @@ class MergedDrafter(Drafter):
         self.suffix.finish(outputs)
 
     # ----------------------------------------------------------------------------- draft
+    def takes_lead(self, model, sampling: SamplingConfig) -> bool:
+        return self.base.takes_lead(model, sampling)
+
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
-              generator: torch.Generator | None = None) -> Draft:
-        d = self.base.draft(model, cache, roots, sampling, generator)
+              generator: torch.Generator | None = None, lead: Tensor | None = None) -> Draft:
+        args = (model, cache, roots, sampling, generator)
+        d = self.base.draft(*args) if lead is None else self.base.draft(*args, lead=lead)
         ids = roots.tolist()
         extra = as_rows(ids, self.suffix.speculate(ids))
         base = zip(d.tree.tokens.tolist(), d.tree.parents.tolist())

@@ -149,17 +149,29 @@ class StaticTreeDrafter(Drafter):
         return replace(self, mode=mode)
 
     # ------------------------------------------------------------------------------------- draft
+    def takes_lead(self, model, sampling: SamplingConfig) -> bool:
+        # a lead runs in the one call of a greedy draft (its roots' pass)
+        return self._one_call(model, sampling) and model.runs_lead
+
+    def _one_call(self, model, sampling: SamplingConfig) -> bool:
+        """Whether the draft runs as one ``draft_levels`` call: at greedy sampling, where
+        nothing random is drawn, every level and every choice of children in one step."""
+        return (sampling.is_greedy and self.modes(sampling)[0] != "without_replacement"
+                and hasattr(model, "draft_levels"))
+
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
-              generator: torch.Generator | None = None) -> Draft:
+              generator: torch.Generator | None = None, lead: Tensor | None = None) -> Draft:
         mode = self.modes(sampling)[0]
         device = roots.device
         b, n = roots.shape[0], self.num_nodes
         tokens = torch.zeros(b, n, dtype=torch.long, device=device)
         tokens[:, 0] = roots
-        if sampling.is_greedy and mode != "without_replacement" and hasattr(model, "draft_levels"):
-            # nothing random to draw: every level and every choice in one call
+        if self._one_call(model, sampling):
             levels = [(self.tree(tokens[:, :e]), self._bounds[d][0], e) for d, e in enumerate(self._run_end)]
-            return Draft(self.tree(model.draft_levels(tokens, cache, levels, self._greedy_pick(mode))), None, mode)
+            return Draft(self.tree(model.draft_levels(tokens, cache, levels, self._greedy_pick(mode), lead)),
+                         None, mode)
+        if lead is not None:
+            raise ValueError("a lead is run only by a greedy draft of an attention-free model (takes_lead)")
         parent_col = torch.tensor(self._parent_col, device=device)
         rank = torch.tensor(self._rank, device=device)
         q = None

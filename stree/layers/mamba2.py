@@ -183,23 +183,46 @@ def prefill(m, u, state: MambaLayerCache):
     return parts.finish(y, z, mlp_in)
 
 
-def node_step(m, u, conv, ssm, k: dict | None = None):
-    """One token per row from a given state, the state not written: how a drafter runs each new
-    node of a level from its parent's materialised state (the recurrence, no tree tables).
+def node_step(m, u, conv, ssm, k: dict | None = None, valid=None):
+    """Tokens run one after another from a given state, the state not written: how a drafter runs
+    each new node of a level from its parent's materialised state (the recurrence, no tree
+    tables), after the tokens it is behind where a level starts with them.
 
     Args:
-        m: the Mamba2 module; u: ``(N, 1, d_model)`` normalised hidden states, one node per row.
-        conv: ``(N, c, w)`` raw conv inputs before the node; ssm: ``(N, h, p, s)`` state before it.
+        m: the Mamba2 module; u: ``(N, c, d_model)`` normalised hidden states: a chain of ``c``
+            tokens per row (a level's node: ``c = 1``), run in order.
+        conv: ``(N, c, w)`` raw conv inputs before the chain; ssm: ``(N, h, p, s)`` state before it.
         k: :func:`constants` of ``m`` (looked up when None).
+        valid: ``(N, c)`` bool or None (all valid): a row's False tokens leave its state as it
+            was (left padding of a row with a shorter chain; their outputs are not meaningful).
     Returns:
-        ``(out (N, 1, d_model), conv (N, c, w), ssm (N, h, p, s))``: the node's mixer output and
-        the new conv window and SSM state after it (new tensors, in the inputs' dtypes).
+        ``(out (N, c, d_model), conv (N, c, w), ssm (N, h, p, s))``: the mixer output of every
+        token and the conv window and SSM state after the chain (new tensors, in the inputs'
+        dtypes: rounded to them after every token, as separate steps would be).
     """
     k = constants(m) if k is None else k
     parts = k["parts"]
     fold = k["in_bias"] is not None  # dt_bias added by the projection
-    proj = linear(m.in_proj, u, k["in_bias"]) if fold else m.in_proj(u)
+    proj = linear(m.in_proj, u, k["in_bias"]) if fold else m.in_proj(u)  # one weight read for the chain
     z, xbc, dt, mlp_in = parts.split(proj)
+    ys = []
+    for t in range(u.shape[1]):
+        y, new_conv, new_ssm = _recurrence(m, k, conv, ssm, xbc[:, t:t + 1], dt[:, t], z[:, t], fold)
+        if valid is None:
+            conv, ssm = new_conv, new_ssm
+        else:
+            keep = valid[:, t]
+            conv = torch.where(keep[:, None, None], new_conv, conv)
+            ssm = torch.where(keep[:, None, None, None], new_ssm, ssm)
+        ys.append(_to(y, u.dtype))
+    out = parts.finish(torch.stack(ys, 1) if len(ys) > 1 else ys[0][:, None], z, mlp_in)
+    return out, conv, ssm
+
+
+def _recurrence(m, k: dict, conv, ssm, xbc, dt, z, fold: bool):
+    """One token of :func:`node_step` from ``conv`` / ``ssm``: ``xbc (N, 1, c)``, ``dt (N, h)``,
+    ``z (N, d_ssm)`` its projections. Returns its ``y (N, h, p)`` (fp32) and the states after it."""
+    parts = k["parts"]
     new_conv = torch.cat([conv[:, :, 1:], _to(xbc.transpose(1, 2), conv.dtype)], dim=2)
     conv_out = (_to(new_conv, F32) * _to(k["conv_weight"], F32)).sum(-1)  # (N, c)
     if k["conv_bias"] is not None:
@@ -207,7 +230,7 @@ def node_step(m, u, conv, ssm, k: dict | None = None):
     x, B, C = (_to(t, F32) for t in parts.split_xbc(_to(F.silu(conv_out), xbc.dtype)))
     n, h, p = x.shape  # x (N, h, p), B and C (N, g, s)
     g = B.shape[1]
-    dt = process_dt(dt.view(n, h), None if fold else m.dt_bias, True, k["dt_limit"])  # (N, h) fp32
+    dt = process_dt(dt.reshape(n, h), None if fold else m.dt_bias, True, k["dt_limit"])  # (N, h) fp32
     # h' = exp(dt A) h + (dt x) B^T, heads grouped (g, h / g) so B and C broadcast over a group
     dtx = (dt[..., None] * x).view(n, g, h // g, p, 1)
     new_ssm = torch.addcmul((dtx * B[:, :, None, None, :]).view(n, h, p, -1), _to(ssm, F32),
@@ -215,9 +238,8 @@ def node_step(m, u, conv, ssm, k: dict | None = None):
     y = torch.matmul(new_ssm.view(n, g, h // g * p, -1), C[..., None]).view(n, h, p)
     y = torch.addcmul(y, x, _to(k["D"], F32).view(h, -1))
     if parts.z_in_scan:
-        y = y * F.silu(_to(z.view(n, h, p), F32))
-    out = parts.finish(_to(y, u.dtype)[:, None], z, mlp_in)
-    return out, new_conv, _to(new_ssm, ssm.dtype)
+        y = y * F.silu(_to(z.reshape(n, h, p), F32))
+    return y, new_conv, _to(new_ssm, ssm.dtype)
 
 
 F32 = torch.float32

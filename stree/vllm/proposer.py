@@ -2,22 +2,26 @@
 
 vLLM's model runner calls ``propose`` once per step with every running request's token history;
 each request keeps one row (slot) of the draft's :class:`~stree.cache.StatePool`, keyed by vLLM's
-request id, holding the draft state of the committed sequence up to (not including) its last
-token. A step first advances those states over the tokens committed since the last step (the
-previous root, the accepted draft tokens): from the activations the last draft kept (stree's
-commit by replay, one commit per draft batch) when they are a root path of the request's last
-tree, else by running them through the draft (a new request's prompt, a request whose history
-no longer extends its slot's: preempted and recomputed, or an id reused). Then it drafts from each
-request's new last token (the root, which neither model has run), **batched across requests**:
-one draft call per sampling setting (all greedy requests together, all sampled requests of one
-temperature / top-k / top-p together), the rows resuming from their slots at their own lengths
-(``StatePool.cache(slots, seqlens)``). A sampled request with its own seed drafts alone, with a
-generator seeded from it, so that its draft tokens do not depend on its batch-mates. Dynamic
-drafters keep the calibration they start with: their online update (``Drafter.observe``) would
-read several requests' trees as one. Rows belong to the requests of the current batch: a request
-that left it (finished, aborted or preempted) gives its slot back. :func:`patch_runner` passes
-vLLM's request ids and sampling parameters in, since vLLM's custom-proposer call does not carry
-them.
+request id, holding the draft state of the committed sequence up to (not including) its last token.
+A step first advances those states over the tokens committed since the last step (the previous
+root, the accepted draft tokens): from the activations the last draft kept (stree's commit by
+replay, one commit per draft batch) when they are a root path of the request's last tree (a merged
+tree's, or one whose draft takes a lead: the part the draft ran), else by running them through the
+draft (a new request's prompt, a request whose history no longer extends its slot's: preempted and
+recomputed, or an id reused; the accepted leaf of a tree's never-run deepest level). A greedy
+request's draft of an attention-free draft model (the shipped one) runs up to ``MAX_LEAD`` such
+tokens in its next draft's roots' pass (its lead: one read of the weights, no forward of their
+own), committed with that draft's accepted path; other catch-ups run before drafting (a one-node
+level, a compiled chain or a prefill). Then it drafts from each request's new last token (the root,
+which neither model has run), **batched across requests**: one draft call per sampling setting (all
+greedy requests together, all sampled requests of one temperature / top-k / top-p together), the
+rows resuming from their slots at their own lengths (``StatePool.cache(slots, seqlens)``). A
+sampled request with its own seed drafts alone, with a generator seeded from it, so that its draft
+tokens do not depend on its batch-mates. Dynamic drafters keep the calibration they start with:
+their online update (``Drafter.observe``) would read several requests' trees as one. Rows belong to
+the requests of the current batch: a request that left it (finished, aborted or preempted) gives
+its slot back. :func:`patch_runner` passes vLLM's request ids and sampling parameters in, since
+vLLM's custom-proposer call does not carry them.
 
 A greedy request gets the draft's argmax chain. A sampled one gets a chain drawn from the draft's
 distribution under the request's own temperature, top-k and top-p, and the distributions each
@@ -37,8 +41,8 @@ engine's :class:`~stree.draft.suffix.ContextIndex` (its text's suffix trie, push
 new tokens each step, and its place in the engine's cache of earlier outputs, which a request's
 output joins when it leaves the batch), and its tree is read from them; a request with no match
 proposes nothing that step. Merged with a draft's tree (``"caterpillar:2,2,2+suffix:16"``) the
-draft runs as for its tree alone, and accepted suffix nodes it never ran are prefilled into its
-slot with the rest of the tokens it is behind.
+draft runs as for its tree alone, and accepted suffix nodes it never ran are among the tokens
+it is behind.
 
 When vLLM compiles its model (``enforce_eager=False``) the draft's levels run compiled too
 (:mod:`stree.capture`), for drafters with a static template: a draft batch is padded to the next
@@ -58,7 +62,7 @@ import torch
 from stree import capture
 from stree.cache import TreeCache
 from stree.draft import MergedDrafter, SuffixDrafter
-from stree.draft.base import commit_draft
+from stree.draft.base import MAX_LEAD, commit_draft, lead_tensor
 from stree.draft.suffix import ContextIndex
 from stree.kernels import cpu_ops
 from stree.sampling import SamplingConfig
@@ -70,9 +74,14 @@ GREEDY = SamplingConfig(temperature=0.0)
 # Draft batch sizes compiled at start-up: each costs seconds of compilation on a CPU, and vLLM's
 # CPU default of 256 sequences would add a minute to every engine start.
 PRECOMPILED = 8
-# Catch-up chain lengths compiled (:meth:`StreeProposer._chain`; padded up to one of them), at
-# start-up for one request; longer runs (a prompt) are prefilled.
+# Catch-up chain lengths compiled (:meth:`StreeProposer._chain`; padded up to one of them);
+# longer runs (a prompt) are prefilled.
 CHAIN_WIDTHS = (2, 4, 8, 16)
+# Lead widths of a greedy draft (the tokens it is behind, run in its roots' pass; ``lead_tensor``
+# pads to them): each a graph of its own, the first compiled at start-up for every precompiled
+# batch size, all of them for one request where the tree is merged (its draft falls behind by
+# the suffix nodes it never ran).
+LEAD_WIDTHS = tuple(1 << i for i in range(MAX_LEAD.bit_length()))
 logger = logging.getLogger(__name__)
 
 
@@ -92,13 +101,17 @@ class _Row:
 class _Batch:
     """One draft call of the last step: the cache over its rows' slots (holding the activations
     its commit replays), the tree it drafted (one row per cache row), whether the draft ran each
-    node (read when it was drafted: a dynamic drafter's answer changes with its next draft), and
-    each row's request (None: a scratch row padding the batch)."""
+    node (read when it was drafted: a dynamic drafter's answer changes with its next draft),
+    each row's request (None: a scratch row padding the batch), the tokens each row ran before
+    its root (its lead, committed with its path), and whether its rows commit only the part of
+    their paths the draft ran (leaving the rest to the next lead or catch-up)."""
 
     cache: TreeCache
     tree: TokenTree
     ran: list[bool]
     rows: list[_Row | None]
+    leads: list[list[int]]
+    cut: bool
 
 
 def sampling_of(params) -> SamplingConfig:
@@ -169,6 +182,8 @@ class StreeProposer:
         pad = max((b - a - 1 for a, b in zip(self.sizes, self.sizes[1:])), default=0) if self.compiled else 0
         self.pool = None if self.model is None else self.model.allocate_state_pool(
             slots + pad, vllm_config.model_config.max_model_len + self.k + 1)
+        # greedy requests run the tokens their draft is behind in their next draft's roots' pass
+        self.leads = self.model is not None and _levels(self.pairs[True][0]).takes_lead(self.model, GREEDY)
         self.free = list(range(slots))
         self.scratch = list(range(slots, slots + pad))
         self.generator = torch.Generator()  # draws of sampled requests without a seed of their own
@@ -186,9 +201,10 @@ class StreeProposer:
     def load_model(self, *args) -> None:
         """Called by vLLM at start-up with the target (the draft is ours): compile the draft's
         levels for the padded batch sizes up to ``PRECOMPILED`` now, on free slots (a request's
-        first draft zeroes its slot), and for a merged tree its catch-up chains for one request;
-        and build stree's C++ CPU ops for the target's tree rows (once per machine, cached), so
-        the first tree step does not wait for a compiler."""
+        first draft zeroes its slot), with the shortest lead (and for a merged tree all of
+        them, for one request) or the one-token catch-up; and build stree's C++ CPU ops for the
+        target's tree rows (once per machine, cached), so the first tree step does not wait for
+        a compiler."""
         from vllm.platforms import current_platform
 
         if self.stree_verifies and current_platform.is_cpu():
@@ -202,10 +218,15 @@ class StreeProposer:
                     cache = self.pool.cache(list(slots))
                     self.model.prefill(torch.zeros(size, 2, dtype=torch.long), cache)
                     drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY)
-                    self._one_token(self.pool.cache(list(slots), [2] * size), [[0]] * size)
-            if _suffix(self.pairs[True][0]) is not None:  # a merged tree's catch-up chains, drafting alone
-                for width in CHAIN_WIDTHS:
-                    self._chain(self.pool.cache([0], [0]), [[0] * width])
+                    if self.leads:
+                        drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY,
+                                      lead=torch.zeros(size, 1, dtype=torch.long))
+                    else:
+                        self._one_token(self.pool.cache(list(slots), [2] * size), [[0]] * size)
+            if self.leads and _suffix(self.pairs[True][0]) is not None:  # drafting alone
+                for width in LEAD_WIDTHS[1:]:
+                    drafter.draft(self.model, self.pool.cache([0], [2]), torch.zeros(1, dtype=torch.long), GREEDY,
+                                  lead=torch.zeros(1, width, dtype=torch.long))
 
     def bind(self, req_ids, params=None, budget: int | None = None) -> None:
         """This step's batch order (vLLM's ``input_batch.req_ids``), each request's
@@ -256,8 +277,11 @@ class StreeProposer:
             for i, history in histories.items():
                 self._push(self.req_ids[i], history, len(sampled_token_ids[i]))
         with capture.compiled(self.model) if self.compiled else nullcontext():
+            greedy = {self.req_ids[i] for i in histories if sampling_of(self.params[i]).is_greedy}
+            leads = {}
             if self.model is not None:
-                self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()})
+                leads = self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()},
+                                       greedy if self.leads else set())
             groups: dict[object, list[int]] = {}
             for i in histories:
                 sampling = sampling_of(self.params[i])
@@ -265,7 +289,7 @@ class StreeProposer:
                 seeded = row is not None and row.generator is not None and not sampling.is_greedy
                 groups.setdefault(("seed", row.rid) if seeded else sampling, []).append(i)
             for members in groups.values():
-                for i, (tokens, q) in zip(members, self._draft(members, [histories[i][-1] for i in members])):
+                for i, (tokens, q) in zip(members, self._draft(members, [histories[i][-1] for i in members], leads)):
                     out[i] = tokens[:self.budget]  # the tree's first nodes: a subtree
                     if q is not None:
                         probs[i] = q
@@ -277,13 +301,17 @@ class StreeProposer:
                 self.last_probs[i] = q
         return out
 
-    def _catch_up(self, committed: dict[str, list[int]]) -> None:
-        """Bring each request's slot to its ``committed`` tokens (its history less the root).
+    def _catch_up(self, committed: dict[str, list[int]], leading: set[str]) -> dict[str, list[int]]:
+        """Bring each request's slot to its ``committed`` tokens (its history less the root), or
+        for the requests in ``leading`` (greedy ones, whose draft runs a lead) to within
+        ``MAX_LEAD`` tokens of them: returns those tokens by request id, for its draft.
 
         The last step's draft batches commit first, each row along its request's accepted path
-        (rows of requests that left, or whose tokens are no root path of their tree, commit
-        nothing): a batch's commit rewrites all its rows' slots, so it must precede any reset.
-        Then new and diverged rows start over, and every row still behind is prefilled."""
+        with the lead it ran (rows of requests that left, or whose tokens are no root path of
+        their tree, commit nothing): a batch's commit rewrites all its rows' slots, so it must
+        precede any reset. Then new and diverged rows start over, and every row still behind
+        is prefilled (or run as a one-node level or chain) unless its draft takes it as a
+        lead."""
         for batch in self.batches:
             paths = [self._accepted(batch, r, row, committed) for r, row in enumerate(batch.rows)]
             counts = [len(p) for p in paths]
@@ -293,16 +321,18 @@ class StreeProposer:
             path = torch.tensor([p + [-1] * (width - len(p)) for p in paths])
             if commit_draft(self.model, batch.cache, batch.tree, path, counts, [p[-1] if p else -1 for p in paths],
                             batch.ran.__getitem__):
-                for row, p in zip(batch.rows, paths):
+                for row, p, lead in zip(batch.rows, paths, batch.leads):
                     if p:
-                        row.history = committed[row.rid][:len(row.history) + len(p)]
+                        row.history = committed[row.rid][:len(row.history) + len(lead) + len(p)]
         self.batches = []
-        behind = []
+        behind, leads = [], {}
         for rid, tokens in committed.items():
             row = self.rows.get(rid)
             if row is None or row.history != tokens[:len(row.history)]:
                 row = self._reset(rid, row)
-            if len(row.history) < len(tokens):
+            if rid in leading and 0 < len(tokens) - len(row.history) <= MAX_LEAD:
+                leads[rid] = tokens[len(row.history):]
+            elif len(row.history) < len(tokens):
                 behind.append(row)
         if behind:
             cache = self.pool.cache([row.slot for row in behind], [len(row.history) for row in behind])
@@ -316,6 +346,7 @@ class StreeProposer:
                 self.model.prefill([torch.tensor(t) for t in todo], cache)
             for row in behind:
                 row.history = committed[row.rid]
+        return leads
 
     def _one_token(self, cache: TreeCache, tokens: list[list[int]]) -> None:
         """Commit one token per row of ``cache`` (the usual catch-up: an accepted node of the
@@ -346,6 +377,10 @@ class StreeProposer:
         if row is None or self.rows.get(row.rid) is not row or row.rid not in committed:
             return []
         todo = committed[row.rid][len(row.history):]
+        lead = batch.leads[r]
+        if todo[:len(lead)] != lead:
+            return []
+        todo = todo[len(lead):]
         tokens = batch.tree.tokens[r].tolist()
         if not todo or todo[0] != tokens[0] or row.history != committed[row.rid][:len(row.history)]:
             return []
@@ -355,16 +390,17 @@ class StreeProposer:
             if child is None:
                 return []
             path.append(child)
-        if _suffix(self.pairs[True][0]) is not None:  # a merged tree: the part the draft ran; the
-            ran = next((j for j, u in enumerate(path) if not batch.ran[u]), len(path))  # rest is
-            return path[:ran]                                                          # prefilled
+        if batch.cut:  # the part the draft ran; the rest is the next lead, or caught up
+            return path[:next((j for j, u in enumerate(path) if not batch.ran[u]), len(path))]
         return path
 
-    def _draft(self, members: list[int], roots: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def _draft(self, members: list[int], roots: list[int],
+               leads: dict[str, list[int]]) -> list[tuple[list[int], torch.Tensor | None]]:
         """One draft call for the requests at batch indices ``members`` (one sampling setting),
-        from their ``roots``: per request its draft tokens (at most K; a suffix tree's as many as
-        its match earns) and, if sampled under vLLM's verification, the ``(K, vocab)``
-        distributions they were drawn from."""
+        from their ``roots``, after the tokens ``leads`` gives a request (its draft is behind by
+        them): per request its draft tokens (at most K; a suffix tree's as many as its match
+        earns) and, if sampled under vLLM's verification, the ``(K, vocab)`` distributions they
+        were drawn from."""
         rids = [self.req_ids[i] for i in members]
         sampling = sampling_of(self.params[members[0]])
         if self.pairs[sampling.is_greedy] is None:  # no drafts for such requests (see DraftSpec.pair)
@@ -383,9 +419,12 @@ class StreeProposer:
             cache = self.pool.cache([row.slot for row in rows] + self.scratch[:pad],
                                     [len(row.history) for row in rows] + [0] * pad)
             generator = None if sampling.is_greedy else rows[0].generator or self.generator
-            d = drafter.draft(self.model, cache, torch.tensor(roots + [0] * pad), sampling, generator)
+            lead = [leads.get(rid, []) for rid in rids] + [[]] * pad
+            args = (self.model, cache, torch.tensor(roots + [0] * pad), sampling, generator)
+            d = drafter.draft(*args, lead=lead_tensor(lead)) if any(lead) else drafter.draft(*args)
+            cut = _suffix(drafter) is not None or (self.leads and sampling.is_greedy)
             self.batches.append(_Batch(cache, d.tree, [drafter.ran(j) for j in range(d.tree.num_nodes)],
-                                       rows + [None] * pad))
+                                       rows + [None] * pad, lead, cut))
         sizes = getattr(drafter, "sizes", None)  # a suffix or merged tree's real nodes per row
         out = []
         for r, rid in enumerate(rids):

@@ -185,10 +185,12 @@ def _merged(monkeypatch):
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
     """A merged tree whose draft part is accepted to its deepest node leaves the draft one token
-    behind (that node, which the draft never ran), caught up as a one-node level instead of a
-    prefill: the next drafts equal those of a fresh proposer that prefills the whole history."""
+    behind (that node, which the draft never ran): where the draft takes no lead (a sampled
+    request's), caught up as a one-node level instead of a prefill; the next drafts equal those
+    of a fresh proposer that prefills the whole history."""
     proposer = _merged(monkeypatch)
     drafting = proposer(enforce_eager)
+    drafting.leads = False
     drafting.load_model(None)
     history, one_token = [0, 5, 17, 33, 80, 100], []
     original = drafting._one_token
@@ -212,11 +214,13 @@ def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforc
 def test_several_tokens_behind_caught_up_as_a_chain_draft_what_a_fresh_prefill_does(monkeypatch,
                                                                                     enforce_eager):
     """A merged tree's draft falls several tokens behind when the target accepts suffix nodes
-    it never ran (here: tokens outside its tree, 2 to 9 a step): compiled, they are run as one
-    padded chain (a compiled tree step) instead of a prefill; the next drafts equal those of a
-    fresh proposer that prefills the whole history."""
+    it never ran (here: tokens outside its tree, 2 to 9 a step): where the draft takes no lead
+    (a sampled request's) and compiled, they are run as one padded chain (a compiled tree step)
+    instead of a prefill; the next drafts equal those of a fresh proposer that prefills the
+    whole history."""
     proposer = _merged(monkeypatch)
     drafting = proposer(enforce_eager)
+    drafting.leads = False
     history, chains = [0, 5, 17, 33, 80, 100], []
     original = drafting._chain
     monkeypatch.setattr(drafting, "_chain",
@@ -231,3 +235,50 @@ def test_several_tokens_behind_caught_up_as_a_chain_draft_what_a_fresh_prefill_d
     # a short prompt too (5 tokens before its root); then each step's root and the tokens after
     # it, less the new root
     assert chains == ([] if enforce_eager else [5, 2, 9, 3])
+
+
+@pytest.mark.parametrize("tree", ["caterpillar:2,2,2", "caterpillar:2,2,2+suffix:16"])
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_tokens_behind_run_as_the_next_drafts_lead_drafting_what_a_fresh_prefill_does(monkeypatch, tree,
+                                                                                      enforce_eager):
+    """A greedy request's draft runs the tokens it is behind (its tree's deepest accepted node,
+    which it never ran; a short prompt; here also tokens outside its tree, which leave the whole
+    step behind) in its next draft's roots' pass, padded to a lead width, with no catch-up of
+    their own, and commits them with its accepted path; more than 16 are prefilled first. The
+    drafts equal those of a fresh proposer that prefills the whole history."""
+    monkeypatch.setenv(ENV, "")
+    DraftSpec(DRAFT, tree).to_env()
+
+    def proposer(eager):
+        config = _config(tree, eager, 2)
+        config.model_config.get_vocab_size = lambda: 4096
+        return StreeProposer(config)
+
+    drafting = proposer(enforce_eager)
+    assert drafting.leads
+    drafting.load_model(None)
+    leads, prefills = [], []
+    draft_levels, prefill = drafting.model.draft_levels, drafting.model.prefill
+    monkeypatch.setattr(drafting.model, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
+        None if lead is None else tuple(lead.shape)) or draft_levels(tokens, cache, levels, pick, lead))
+    monkeypatch.setattr(drafting.model, "prefill", lambda ids, cache: prefills.append(len(leads)) or prefill(ids, cache))
+    for name in ("_one_token", "_chain"):
+        monkeypatch.setattr(drafting, name, lambda *a: pytest.fail("caught up outside the draft"))
+    history = [0, 5, 17, 33, 80, 100]
+    for step, extra in enumerate([0, 0, 2, 0, 12, 0]):
+        drafting.bind(["r"])
+        drafts = drafting.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0]
+        fresh = proposer(True)
+        fresh.bind(["r"])
+        assert drafts == fresh.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0], step
+        drafted = drafting.drafted["r"].tree
+        node, spine = 0, []
+        while drafted.children(0, node) and drafted.children(0, node)[0] < 7:  # the draft's spine
+            node = drafted.children(0, node)[0]
+            spine.append(int(drafted.tokens[0, node]))
+        tail = [(history[-1] * 7 + 3 * i + 1) % 4000 + 50 for i in range(extra)]  # outside the tree
+        history = history + spine + tail + [(spine[-1] + 1) % 4096]  # a bonus token
+    # the prompt (5 tokens before its root); the deepest spine node; a step outside the tree
+    # (1 + root + 3 + 2 tokens); the deepest node again; 1 + 1 + 3 + 12 tokens: prefilled
+    assert leads == [(1, 8), (1, 1), (1, 1), (1, 8), (1, 1), None]
+    assert set(prefills) == {5}  # before the sixth draft only
