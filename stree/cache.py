@@ -407,8 +407,8 @@ class TreeCache:
         for idx, acts in self.pending.layers.items():
             acts.commit(states[idx], path, self.lengths, shared)
         self.store(states)
-        lead = getattr(self.pending, "lead", None)
-        self.advance(counts if lead is None else [c and c + n for c, n in zip(counts, lead)])
+        lead = getattr(self.pending, "lead", None)  # tokens run before the root: a non-empty path commits them
+        self.advance(counts if lead is None else [c + n if c else 0 for c, n in zip(counts, lead)])
         self.pending = None
 
 

@@ -322,7 +322,7 @@ class _DraftSide:
         self.model, self.drafter, self.stats = model, drafter, stats
         self.cache = None if model is None else model.allocate_tree_cache(batch_size, max_seqlen)
         self.backlog: list[list[int]] = [[] for _ in range(batch_size)]
-        self.leads = False  # whether the last draft took a lead (set by draft)
+        self.takes_lead = False  # whether drafts take a lead (set by draft: it depends on the sampling)
 
     def prefill(self, prompts: list[Tensor]) -> None:
         if self.model is not None:
@@ -331,10 +331,10 @@ class _DraftSide:
             self.drafter.start([p.tolist() for p in prompts])
 
     def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
-        self.leads = self.model is not None and self.drafter.takes_lead(self.model, sampling)
+        self.takes_lead = self.model is not None and self.drafter.takes_lead(self.model, sampling)
         lead = None
         if self.model is not None and any(self.backlog) and self.drafter.wants_draft_model(roots):
-            if self.leads and max(map(len, self.backlog)) <= MAX_LEAD:  # committed with the next commit
+            if self.takes_lead and max(map(len, self.backlog)) <= MAX_LEAD:  # committed with the next commit
                 lead, self.backlog = lead_tensor(self.backlog), [[] for _ in self.backlog]
             else:
                 self._catch_up()
@@ -350,7 +350,7 @@ class _DraftSide:
         if self.model is None:
             return
         ran = self.drafter.ran
-        if not (self.drafter.reads_context or self.leads):  # the draft model runs the whole path
+        if not (self.drafter.reads_context or self.takes_lead):  # the draft model runs the whole path
             last_nodes = [row[c - 1] if c else -1 for row, c in zip(nodes, counts)]
             if commit_draft(self.model, self.cache, tree, path, counts, last_nodes, ran):
                 return

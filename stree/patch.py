@@ -126,7 +126,8 @@ class TreeDecodingMixin:
 
     @torch.inference_mode()
     def level_forward(self, tree: TokenTree, cache: TreeCache, nodes: torch.Tensor, *,
-                      first: bool = False, capacity: int | None = None) -> torch.Tensor:
+                      first: bool = False, capacity: int | None = None,
+                      lead: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(b, w, vocab)`` of the tree nodes ``nodes (b, w)``, each run once from its
         parent's materialised state: how a drafter forwards each new level of its tree.
 
@@ -136,26 +137,31 @@ class TreeDecodingMixin:
         (default: this tree's size). Per Mamba2 layer the state after every forwarded node is kept, so
         ``cache.commit(path)`` sets the committed state to the path's last node's state with no
         replay; attention K/V go to the scratch slots as in ``tree_forward``. Committed state is
-        unchanged until then.
+        unchanged until then. ``lead``: with ``first`` and the roots alone as ``nodes``, tokens run
+        before them in their pass, as ``draft_levels`` runs its lead.
         """
         b, w = nodes.shape
         if b != cache.batch_size or tree.batch_size != b:
             raise ValueError(f"nodes {tuple(nodes.shape)} / tree batch {tree.batch_size} do not "
                              f"match the cache batch {cache.batch_size}")
+        lead, lead_counts = _lead(self, lead, b, nodes.device)
+        if lead is not None and not (first and w == 1):
+            raise ValueError("a lead runs only before the roots: level_forward(first=True) of one node per row")
         pending = cache.pending
         if first or not isinstance(pending, LevelPending):
             pending = _start_levels(self, cache, capacity or tree.num_nodes)
-        cache.reserve(tree.num_nodes)
+            pending.lead = lead_counts
+        cache.reserve(tree.num_nodes if lead is None else [tree.num_nodes + c for c in lead_counts])
         steps = _steps(self)
         src, dst, tables = _level_inputs(self, steps, pending, tree, cache, nodes)
         logits = steps.level(self, tree.tokens.gather(1, nodes), cache.states(mamba=False),
-                             pending.layers, src, dst, tables)
+                             pending.layers, src, dst, tables, lead)
         _forwarded(cache, pending, tree)
         return logits
 
     @torch.inference_mode()
     def draft_levels(self, tokens: torch.Tensor, cache: TreeCache, levels: list, pick,
-                     lead: list[list[int]] | None = None) -> torch.Tensor:
+                     lead: torch.Tensor | None = None) -> torch.Tensor:
         """A tree drafted level by level in one step: what ``level_forward`` over each level in
         turn does, with the drafter's choice of children between the levels, as one call (one
         compiled graph under compiled steps: no host work between the levels).

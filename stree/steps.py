@@ -35,12 +35,15 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
     the :class:`NodeStates` slot ``src (b * w,)`` of ``states`` (its parent's), its own state
     written to slot ``dst (b * w,)`` (flat indices); attention K/V go to the scratch.
 
-    ``lead (b, c)`` bool (a level of one node per row, attention-free models only): the row's
-    first ``c`` tokens are a chain run from ``src`` before its node, in the same pass (False:
-    left padding, the state unchanged); ``w = c + 1``, the node's logits are the last column."""
+    ``lead (b, c)`` int64 or None (a level of one node per row, attention-free models only):
+    tokens run from ``src`` before the row's node, in the same pass, as a chain (-1: left
+    padding, which leaves the state as it was)."""
+    valid = None
+    if lead is not None:
+        tokens = torch.cat([lead.clamp(min=0), tokens], 1)
+        valid = torch.cat([lead >= 0, torch.ones_like(lead[:, :1], dtype=torch.bool)], 1)
     b, w = tokens.shape
     attn = attention_tables(model, tables, layers)
-    valid = None if lead is None else torch.cat([lead, lead.new_ones(b, 1)], 1)
 
     def run(idx, mixer, h):
         if idx not in tables["consts"]:
@@ -53,7 +56,8 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
         ns.ssm.index_copy_(0, dst, ssm)
         return out.view(b, w, -1)
 
-    return walk(model, tokens, run)
+    logits = walk(model, tokens, run)
+    return logits if lead is None else logits[:, -1:]
 
 
 def levels_step(model, tokens, layers: dict, states: dict, inputs: list, spans: tuple, pick, lead=None):
@@ -64,12 +68,8 @@ def levels_step(model, tokens, layers: dict, states: dict, inputs: list, spans: 
     pass (:func:`level_step`). Returns the drafted tokens (a copy of ``tokens``, filled in)."""
     tokens = tokens.clone()
     for d, ((start, end), (src, dst, tables)) in enumerate(zip(spans, inputs)):
-        if d == 0 and lead is not None:
-            chain = torch.cat([lead.clamp(min=0), tokens[:, start:end]], 1)
-            logits = level_step(model, chain, layers, states, src, dst, tables, lead >= 0)[:, -1:]
-        else:
-            logits = level_step(model, tokens[:, start:end], layers, states, src, dst, tables)
-        pick(d, logits, tokens)
+        pick(d, level_step(model, tokens[:, start:end], layers, states, src, dst, tables,
+                           lead if d == 0 else None), tokens)
     return tokens
 
 

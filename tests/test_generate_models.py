@@ -175,3 +175,25 @@ def test_a_greedy_static_draft_runs_what_it_is_behind_as_its_lead(monkeypatch, m
     ran = [lead for lead in leads if lead is not None]
     assert len(ran) > len(leads) // 10 and all(lead.shape[1] in (1, 2, 4, 8, 16) for lead in ran)
     assert prefills and set(prefills) == {0}  # the prompts only, before the first draft
+
+
+def test_a_sampled_static_draft_with_a_lead_draws_what_it_draws_after_a_catch_up(monkeypatch, mamba_pair):
+    """Sampled, the lead changes how the draft reaches its state, not what is drawn: the same
+    generator gives the same output as catching up by a forward of its own first."""
+    from stree.draft.static import StaticTreeDrafter
+
+    target, draft = mamba_pair
+    leads = []
+    level_forward = draft.level_forward
+    monkeypatch.setattr(draft, "level_forward", lambda *a, lead=None, **k: leads.append(lead) or level_forward(
+        *a, lead=lead, **k))
+
+    def run():
+        return stree.generate(target, draft, PROMPTS, 64, temperature=1.0, drafter="caterpillar:2,2,2",
+                              generator=torch.Generator().manual_seed(4)).sequences
+
+    with_lead = run()
+    assert any(lead is not None for lead in leads)
+    monkeypatch.setattr(StaticTreeDrafter, "takes_lead", lambda self, model, sampling: False)
+    leads.clear()
+    assert torch.equal(run(), with_lead) and not any(lead is not None for lead in leads)

@@ -245,3 +245,38 @@ def test_a_lead_is_refused_where_attention_would_need_its_positions():
     with pytest.raises(ValueError, match="without attention layers"):
         drafter.draft(model, cache, torch.tensor([5]), SamplingConfig(), lead=torch.tensor([[7]]))
     assert cache.seqlens == [3] and cache.pending is None
+
+
+def test_a_sampled_draft_runs_its_lead_in_its_first_level():
+    """A sampled static draft (drawn level by level) runs its lead in the roots' level: the
+    distribution its root's children are drawn from is the oracle's after prompt + lead, and
+    the commit commits lead and path; a lead anywhere but before the roots is refused."""
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    torch.manual_seed(6)
+    model = stree.patch(make_hybrid((), seed=19))
+    drafter, sampling = parse_drafter("caterpillar:2,2"), SamplingConfig(temperature=1.0)
+    assert drafter.takes_lead(model, sampling)
+    prompts, leads = [[3, 9, 4], [7, 1, 2, 8, 5]], [[11, 12], [4]]
+    cache = model.allocate_tree_cache(2, 64)
+    model.prefill([torch.tensor(p) for p in prompts], cache)
+    oracles = [StepOracle(model) for _ in prompts]
+    for o, p in zip(oracles, prompts):
+        o.feed(p)
+    draft = drafter.draft(model, cache, torch.tensor([5, 6]), sampling, torch.Generator().manual_seed(0),
+                          lead=torch.tensor([[11, 12], [-1, 4]]))
+    tree = draft.tree
+    for r in range(2):
+        after_lead = oracles[r].fork()
+        after_lead.feed(leads[r])
+        close(draft.q[r, 0], after_lead.node_logits(tree, row=r)[0].softmax(-1), f"row {r} root q")
+    paths = [[0, tree.children(r, 0)[0]] for r in range(2)]
+    assert commit_draft(model, cache, tree, torch.tensor(paths), [2, 2], [p[-1] for p in paths], drafter.ran)
+    for r in range(2):
+        oracles[r].feed(leads[r] + [int(tree.tokens[r, j]) for j in paths[r]])
+        check_states(model, cache, oracles[r], row=r)
+    with pytest.raises(ValueError, match="only before the roots"):
+        model.level_forward(tree, cache, torch.tensor([[1], [1]]), lead=torch.tensor([[3], [3]]))
+    with pytest.raises(ValueError, match="last columns"):
+        drafter.draft(model, cache, torch.tensor([5, 6]), sampling, lead=torch.tensor([[3, -1], [-1, 4]]))

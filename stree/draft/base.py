@@ -185,18 +185,23 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
 
 
 # ------------------------------------------------------------------ the per-level mechanism
-def forward_level(model, cache, tree, start: int, end: int, capacity: int) -> Tensor:
+def forward_level(model, cache, tree, start: int, end: int, capacity: int, lead: Tensor | None = None) -> Tensor:
     """Draft logits ``(b, end - start, v)`` of the nodes ``start .. end - 1`` of ``tree`` (the
     tree drafted so far), whose parents were forwarded by earlier calls of this draft.
 
     With a model that has ``level_forward`` (every patched model) each node runs once, from its
     parent's materialised state; other models (test fakes) run ``tree_forward`` over the whole
-    partial tree. ``capacity``: the whole draft's node count. Every drafter calls this.
+    partial tree. ``capacity``: the whole draft's node count. Every drafter calls this. ``lead``
+    (the roots' level, a model that ``runs_lead``): tokens run before the roots, in their pass.
     """
     if hasattr(model, "level_forward"):
         b = tree.batch_size
         nodes = torch.arange(start, end, device=tree.device).expand(b, -1)
-        return model.level_forward(tree, cache, nodes, first=start == 0, capacity=capacity)
+        if lead is None:  # (models wrapped by callers may not know the argument)
+            return model.level_forward(tree, cache, nodes, first=start == 0, capacity=capacity)
+        return model.level_forward(tree, cache, nodes, first=start == 0, capacity=capacity, lead=lead)
+    if lead is not None:
+        raise ValueError("a lead needs a model with level_forward")
     return model.tree_forward(tree, cache)[:, start:end]
 
 

@@ -150,8 +150,8 @@ class StaticTreeDrafter(Drafter):
 
     # ------------------------------------------------------------------------------------- draft
     def takes_lead(self, model, sampling: SamplingConfig) -> bool:
-        # a lead runs in the one call of a greedy draft (its roots' pass)
-        return self._one_call(model, sampling) and model.runs_lead
+        # in the roots' pass: the one call of a greedy draft, the first level of a sampled one
+        return getattr(model, "runs_lead", False)
 
     def _one_call(self, model, sampling: SamplingConfig) -> bool:
         """Whether the draft runs as one ``draft_levels`` call: at greedy sampling, where
@@ -170,14 +170,12 @@ class StaticTreeDrafter(Drafter):
             levels = [(self.tree(tokens[:, :e]), self._bounds[d][0], e) for d, e in enumerate(self._run_end)]
             return Draft(self.tree(model.draft_levels(tokens, cache, levels, self._greedy_pick(mode), lead)),
                          None, mode)
-        if lead is not None:
-            raise ValueError("a lead is run only by a greedy draft of an attention-free model (takes_lead)")
         parent_col = torch.tensor(self._parent_col, device=device)
         rank = torch.tensor(self._rank, device=device)
         q = None
         for d in range(self.depth):
             (s, _), e, (cs, ce) = self._bounds[d], self._run_end[d], self._bounds[d + 1]
-            logits = forward_level(model, cache, self.tree(tokens[:, :e]), s, e, n)
+            logits = forward_level(model, cache, self.tree(tokens[:, :e]), s, e, n, lead if d == 0 else None)
             picks, probs = pick_children(logits, self._fanout[d], mode, sampling, generator)
             if not sampling.is_greedy:  # at greedy no verifier reads q: no (b, n, v) buffer
                 if q is None:

@@ -189,14 +189,14 @@ def node_step(m, u, conv, ssm, k: dict | None = None, valid=None):
     tables), after the tokens it is behind where a level starts with them.
 
     Args:
-        m: the Mamba2 module; u: ``(N, c, d_model)`` normalised hidden states: a chain of ``c``
-            tokens per row (a level's node: ``c = 1``), run in order.
+        m: the Mamba2 module; u: ``(N, L, d_model)`` normalised hidden states: a chain of ``L``
+            tokens per row (a level's node: ``L = 1``), run in order.
         conv: ``(N, c, w)`` raw conv inputs before the chain; ssm: ``(N, h, p, s)`` state before it.
         k: :func:`constants` of ``m`` (looked up when None).
-        valid: ``(N, c)`` bool or None (all valid): a row's False tokens leave its state as it
+        valid: ``(N, L)`` bool or None (all valid): a row's False tokens leave its state as it
             was (left padding of a row with a shorter chain; their outputs are not meaningful).
     Returns:
-        ``(out (N, c, d_model), conv (N, c, w), ssm (N, h, p, s))``: the mixer output of every
+        ``(out (N, L, d_model), conv (N, c, w), ssm (N, h, p, s))``: the mixer output of every
         token and the conv window and SSM state after the chain (new tensors, in the inputs'
         dtypes: rounded to them after every token, as separate steps would be).
     """

@@ -8,8 +8,8 @@ root, the accepted draft tokens): from the activations the last draft kept (stre
 replay, one commit per draft batch) when they are a root path of the request's last tree (a merged
 tree's, or one whose draft takes a lead: the part the draft ran), else by running them through the
 draft (a new request's prompt, a request whose history no longer extends its slot's: preempted and
-recomputed, or an id reused; the accepted leaf of a tree's never-run deepest level). A greedy
-request's draft of an attention-free draft model (the shipped one) runs up to ``MAX_LEAD`` such
+recomputed, or an id reused; the accepted leaf of a tree's never-run deepest level). A static
+tree's draft of an attention-free draft model (the shipped one) runs up to ``MAX_LEAD`` such
 tokens in its next draft's roots' pass (its lead: one read of the weights, no forward of their
 own), committed with that draft's accepted path; other catch-ups run before drafting (a one-node
 level, a compiled chain or a prefill). Then it drafts from each request's new last token (the root,
@@ -77,7 +77,7 @@ PRECOMPILED = 8
 # Catch-up chain lengths compiled (:meth:`StreeProposer._chain`; padded up to one of them);
 # longer runs (a prompt) are prefilled.
 CHAIN_WIDTHS = (2, 4, 8, 16)
-# Lead widths of a greedy draft (the tokens it is behind, run in its roots' pass; ``lead_tensor``
+# Lead widths of a draft (the tokens it is behind, run in its roots' pass; ``lead_tensor``
 # pads to them): each a graph of its own, the first compiled at start-up for every precompiled
 # batch size, all of them for one request where the tree is merged (its draft falls behind by
 # the suffix nodes it never ran).
@@ -182,8 +182,11 @@ class StreeProposer:
         pad = max((b - a - 1 for a, b in zip(self.sizes, self.sizes[1:])), default=0) if self.compiled else 0
         self.pool = None if self.model is None else self.model.allocate_state_pool(
             slots + pad, vllm_config.model_config.max_model_len + self.k + 1)
-        # greedy requests run the tokens their draft is behind in their next draft's roots' pass
-        self.leads = self.model is not None and _levels(self.pairs[True][0]).takes_lead(self.model, GREEDY)
+        # by sampling kind (greedy or not): whether the drafter runs the tokens a request's draft is
+        # behind in its next draft's roots' pass (a static tree of an attention-free draft model)
+        self.takes_lead = {greedy: self.model is not None and pair is not None
+                           and _levels(pair[0]).takes_lead(self.model, GREEDY if greedy else SamplingConfig(1.0))
+                           for greedy, pair in self.pairs.items()}
         self.free = list(range(slots))
         self.scratch = list(range(slots, slots + pad))
         self.generator = torch.Generator()  # draws of sampled requests without a seed of their own
@@ -218,12 +221,12 @@ class StreeProposer:
                     cache = self.pool.cache(list(slots))
                     self.model.prefill(torch.zeros(size, 2, dtype=torch.long), cache)
                     drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY)
-                    if self.leads:
+                    if self.takes_lead[True]:
                         drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY,
                                       lead=torch.zeros(size, 1, dtype=torch.long))
                     else:
                         self._one_token(self.pool.cache(list(slots), [2] * size), [[0]] * size)
-            if self.leads and _suffix(self.pairs[True][0]) is not None:  # drafting alone
+            if self.takes_lead[True] and _suffix(self.pairs[True][0]) is not None:  # drafting alone
                 for width in LEAD_WIDTHS[1:]:
                     drafter.draft(self.model, self.pool.cache([0], [2]), torch.zeros(1, dtype=torch.long), GREEDY,
                                   lead=torch.zeros(1, width, dtype=torch.long))
@@ -277,11 +280,11 @@ class StreeProposer:
             for i, history in histories.items():
                 self._push(self.req_ids[i], history, len(sampled_token_ids[i]))
         with capture.compiled(self.model) if self.compiled else nullcontext():
-            greedy = {self.req_ids[i] for i in histories if sampling_of(self.params[i]).is_greedy}
             leads = {}
             if self.model is not None:
-                leads = self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()},
-                                       greedy if self.leads else set())
+                leading = {self.req_ids[i] for i in histories
+                           if self.takes_lead[sampling_of(self.params[i]).is_greedy]}
+                leads = self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()}, leading)
             groups: dict[object, list[int]] = {}
             for i in histories:
                 sampling = sampling_of(self.params[i])
@@ -289,7 +292,8 @@ class StreeProposer:
                 seeded = row is not None and row.generator is not None and not sampling.is_greedy
                 groups.setdefault(("seed", row.rid) if seeded else sampling, []).append(i)
             for members in groups.values():
-                for i, (tokens, q) in zip(members, self._draft(members, [histories[i][-1] for i in members], leads)):
+                roots = [histories[i][-1] for i in members]
+                for i, (tokens, q) in zip(members, self._draft(members, roots, leads)):
                     out[i] = tokens[:self.budget]  # the tree's first nodes: a subtree
                     if q is not None:
                         probs[i] = q
@@ -303,7 +307,7 @@ class StreeProposer:
 
     def _catch_up(self, committed: dict[str, list[int]], leading: set[str]) -> dict[str, list[int]]:
         """Bring each request's slot to its ``committed`` tokens (its history less the root), or
-        for the requests in ``leading`` (greedy ones, whose draft runs a lead) to within
+        for the requests in ``leading`` (whose drafts run a lead) to within
         ``MAX_LEAD`` tokens of them: returns those tokens by request id, for its draft.
 
         The last step's draft batches commit first, each row along its request's accepted path
@@ -422,7 +426,7 @@ class StreeProposer:
             lead = [leads.get(rid, []) for rid in rids] + [[]] * pad
             args = (self.model, cache, torch.tensor(roots + [0] * pad), sampling, generator)
             d = drafter.draft(*args, lead=lead_tensor(lead)) if any(lead) else drafter.draft(*args)
-            cut = _suffix(drafter) is not None or (self.leads and sampling.is_greedy)
+            cut = _suffix(drafter) is not None or self.takes_lead[sampling.is_greedy]
             self.batches.append(_Batch(cache, d.tree, [drafter.ran(j) for j in range(d.tree.num_nodes)],
                                        rows + [None] * pad, lead, cut))
         sizes = getattr(drafter, "sizes", None)  # a suffix or merged tree's real nodes per row

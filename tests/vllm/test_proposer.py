@@ -190,7 +190,7 @@ def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforc
     of a fresh proposer that prefills the whole history."""
     proposer = _merged(monkeypatch)
     drafting = proposer(enforce_eager)
-    drafting.leads = False
+    drafting.takes_lead = {True: False, False: False}
     drafting.load_model(None)
     history, one_token = [0, 5, 17, 33, 80, 100], []
     original = drafting._one_token
@@ -220,7 +220,7 @@ def test_several_tokens_behind_caught_up_as_a_chain_draft_what_a_fresh_prefill_d
     whole history."""
     proposer = _merged(monkeypatch)
     drafting = proposer(enforce_eager)
-    drafting.leads = False
+    drafting.takes_lead = {True: False, False: False}
     history, chains = [0, 5, 17, 33, 80, 100], []
     original = drafting._chain
     monkeypatch.setattr(drafting, "_chain",
@@ -255,13 +255,14 @@ def test_tokens_behind_run_as_the_next_drafts_lead_drafting_what_a_fresh_prefill
         return StreeProposer(config)
 
     drafting = proposer(enforce_eager)
-    assert drafting.leads
+    assert drafting.takes_lead
     drafting.load_model(None)
     leads, prefills = [], []
     draft_levels, prefill = drafting.model.draft_levels, drafting.model.prefill
     monkeypatch.setattr(drafting.model, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
         None if lead is None else tuple(lead.shape)) or draft_levels(tokens, cache, levels, pick, lead))
-    monkeypatch.setattr(drafting.model, "prefill", lambda ids, cache: prefills.append(len(leads)) or prefill(ids, cache))
+    monkeypatch.setattr(drafting.model, "prefill",
+                        lambda ids, cache: prefills.append(len(leads)) or prefill(ids, cache))
     for name in ("_one_token", "_chain"):
         monkeypatch.setattr(drafting, name, lambda *a: pytest.fail("caught up outside the draft"))
     history = [0, 5, 17, 33, 80, 100]
