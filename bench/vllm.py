@@ -81,8 +81,10 @@ def _engine(args) -> None:
 
     # warm-up at the largest batch too: a batch size's first steps pay one-time costs (its kernels'
     # set-up), which would fall on whichever cell runs it first
-    for batch in sorted({1, max(b for _, b in spec["cells"])}):
-        llm.generate([WARM_UP] * batch, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    # and at every temperature of the cells (a sampled draft's first steps compile its own graphs)
+    for temperature in sorted({t for t, _ in spec["cells"]}):
+        for batch in sorted({1, max(b for _, b in spec["cells"])}):
+            llm.generate([WARM_UP] * batch, SamplingParams(temperature=temperature, max_tokens=16), use_tqdm=False)
     cells = []
     for temperature, batch in spec["cells"]:
         # no per-request seed (the engine has one): stree drafts a seeded sampled request alone
