@@ -206,9 +206,9 @@ class StreeProposer:
         levels for the padded batch sizes up to ``PRECOMPILED`` now, on free slots (a request's
         first draft zeroes its slot), with the shortest lead (and for a merged tree all of
         them, for one request) or the one-token catch-up, and a sampled request's for one
-        request (the CPU default drafts only for a request running alone); and build stree's C++ CPU ops for the
-        target's tree rows (once per machine, cached), so the first tree step does not wait for
-        a compiler."""
+        request (the CPU default drafts only for a request running alone); and build stree's
+        C++ CPU ops for the target's tree rows (once per machine, cached), so the first tree
+        step does not wait for a compiler."""
         from vllm.platforms import current_platform
 
         if self.stree_verifies and current_platform.is_cpu():
@@ -232,10 +232,10 @@ class StreeProposer:
                     drafter.draft(self.model, self.pool.cache([0], [2]), torch.zeros(1, dtype=torch.long), GREEDY,
                                   lead=torch.zeros(1, width, dtype=torch.long))
             if self.pairs[False] is not None:  # a sampled request drafting alone: its levels, and with a lead
-                sampled, root = _levels(self.pairs[False][0]), torch.zeros(1, dtype=torch.long)
+                sampled = _levels(self.pairs[False][0])  # a static template's drafter: it takes lead=None
                 for lead in (None, torch.zeros(1, 1, dtype=torch.long)) if self.takes_lead[False] else (None,):
-                    args = (self.model, self.pool.cache([0], [2]), root, SamplingConfig(1.0), self.generator)
-                    sampled.draft(*args) if lead is None else sampled.draft(*args, lead=lead)
+                    sampled.draft(self.model, self.pool.cache([0], [2]), torch.zeros(1, dtype=torch.long),
+                                  SamplingConfig(1.0), self.generator, lead=lead)
 
     def bind(self, req_ids, params=None, budget: int | None = None) -> None:
         """This step's batch order (vLLM's ``input_batch.req_ids``), each request's
