@@ -6,11 +6,21 @@ import pytest
 import torch
 
 import stree
-from stree.draft.base import commit_draft, forward_level
+from stree.draft.base import commit_draft, forward_level, lead_tensor
 from stree.tree import TokenTree
 from tests.test_model_hybrid import VOCAB, StepOracle, check_states, close, make_hybrid
 
 LEVELS = [(0, 1), (1, 3), (3, 5)]  # node ranges; nodes 5, 6 (depth 3) are never forwarded
+
+
+def _prefilled(model, prompts):
+    """A cache holding ``prompts`` (ragged rows) and one token-by-token oracle per row fed them."""
+    cache = model.allocate_tree_cache(len(prompts), 64)
+    model.prefill([torch.tensor(p) for p in prompts], cache)
+    oracles = [StepOracle(model) for _ in prompts]
+    for o, p in zip(oracles, prompts):
+        o.feed(p)
+    return cache, oracles
 
 
 @pytest.mark.parametrize("attn_layers", [(), (1, 3)], ids=["mamba-only", "hybrid"])
@@ -156,11 +166,7 @@ def test_greedy_draft_in_one_call_picks_the_oracle_top_children(attn_layers, spe
     model = stree.patch(make_hybrid(attn_layers, seed=13))
     drafter = parse_drafter(spec)
     prompts = [[3, 9, 4], [7, 1, 2, 8, 5]]
-    cache = model.allocate_tree_cache(2, 64)
-    model.prefill([torch.tensor(p) for p in prompts], cache)
-    oracles = [StepOracle(model) for _ in prompts]
-    for o, p in zip(oracles, prompts):
-        o.feed(p)
+    cache, oracles = _prefilled(model, prompts)
     forward = model.level_forward
     model.level_forward = lambda *a, **k: pytest.fail("a greedy static draft ran level by level")
     draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig())
@@ -201,15 +207,9 @@ def test_a_lead_runs_in_the_roots_pass_as_token_by_token_decoding(spec, leads):
     drafter = parse_drafter(spec)
     assert model.runs_lead and drafter.takes_lead(model, SamplingConfig())
     prompts = [[3, 9, 4], [7, 1, 2, 8, 5]]
-    cache = model.allocate_tree_cache(2, 64)
-    model.prefill([torch.tensor(p) for p in prompts], cache)
-    oracles = [StepOracle(model) for _ in prompts]
-    for o, p in zip(oracles, prompts):
-        o.feed(p)
+    cache, oracles = _prefilled(model, prompts)
     before = [t.clone() for c in cache.layers.values() for t in vars(c).values()]
-    width = max(len(t) for t in leads)
-    lead = torch.tensor([[-1] * (width - len(t)) + t for t in leads])
-    draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig(), lead=lead)
+    draft = drafter.draft(model, cache, torch.tensor([5, 6]), SamplingConfig(), lead=lead_tensor(leads))
     assert cache.seqlens == [len(p) for p in prompts]
     assert all(torch.equal(a, t) for a, t in zip(before, [t for c in cache.layers.values() for t in vars(c).values()]))
     tree = draft.tree
@@ -258,14 +258,10 @@ def test_a_sampled_draft_runs_its_lead_in_its_first_level():
     model = stree.patch(make_hybrid((), seed=19))
     drafter, sampling = parse_drafter("caterpillar:2,2"), SamplingConfig(temperature=1.0)
     assert drafter.takes_lead(model, sampling)
-    prompts, leads = [[3, 9, 4], [7, 1, 2, 8, 5]], [[11, 12], [4]]
-    cache = model.allocate_tree_cache(2, 64)
-    model.prefill([torch.tensor(p) for p in prompts], cache)
-    oracles = [StepOracle(model) for _ in prompts]
-    for o, p in zip(oracles, prompts):
-        o.feed(p)
+    leads = [[11, 12], [4]]
+    cache, oracles = _prefilled(model, [[3, 9, 4], [7, 1, 2, 8, 5]])
     draft = drafter.draft(model, cache, torch.tensor([5, 6]), sampling, torch.Generator().manual_seed(0),
-                          lead=torch.tensor([[11, 12], [-1, 4]]))
+                          lead=lead_tensor(leads))
     tree = draft.tree
     for r in range(2):
         after_lead = oracles[r].fork()

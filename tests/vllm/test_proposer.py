@@ -168,9 +168,9 @@ def test_suffix_trees_of_sampled_requests_only_where_asked(monkeypatch, tree):
         assert len(drafts[False]["s"]) == 6 < len(drafts[True]["s"])
 
 
-def _merged(monkeypatch):
-    """A factory of proposers (``enforce_eager`` its argument) of a merged tree, two slots."""
-    tree = "caterpillar:2,2,2+suffix:16"
+def _proposers(monkeypatch, tree: str = "caterpillar:2,2,2+suffix:16"):
+    """A factory of proposers (``enforce_eager`` its argument) of ``tree`` (by default a merged
+    tree), two slots."""
     monkeypatch.setenv(ENV, "")
     DraftSpec(DRAFT, tree).to_env()
 
@@ -188,7 +188,7 @@ def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforc
     behind (that node, which the draft never ran): where the draft takes no lead (a sampled
     request's), caught up as a one-node level instead of a prefill; the next drafts equal those
     of a fresh proposer that prefills the whole history."""
-    proposer = _merged(monkeypatch)
+    proposer = _proposers(monkeypatch)
     drafting = proposer(enforce_eager)
     drafting.takes_lead = {True: False, False: False}
     drafting.load_model(None)
@@ -218,7 +218,7 @@ def test_several_tokens_behind_caught_up_as_a_chain_draft_what_a_fresh_prefill_d
     (a sampled request's) and compiled, they are run as one padded chain (a compiled tree step)
     instead of a prefill; the next drafts equal those of a fresh proposer that prefills the
     whole history."""
-    proposer = _merged(monkeypatch)
+    proposer = _proposers(monkeypatch)
     drafting = proposer(enforce_eager)
     drafting.takes_lead = {True: False, False: False}
     history, chains = [0, 5, 17, 33, 80, 100], []
@@ -246,16 +246,9 @@ def test_tokens_behind_run_as_the_next_drafts_lead_drafting_what_a_fresh_prefill
     step behind) in its next draft's roots' pass, padded to a lead width, with no catch-up of
     their own, and commits them with its accepted path; more than 16 are prefilled first. The
     drafts equal those of a fresh proposer that prefills the whole history."""
-    monkeypatch.setenv(ENV, "")
-    DraftSpec(DRAFT, tree).to_env()
-
-    def proposer(eager):
-        config = _config(tree, eager, 2)
-        config.model_config.get_vocab_size = lambda: 4096
-        return StreeProposer(config)
-
+    proposer = _proposers(monkeypatch, tree)
     drafting = proposer(enforce_eager)
-    assert drafting.takes_lead
+    assert drafting.takes_lead == {True: True, False: True}
     drafting.load_model(None)
     leads, prefills = [], []
     draft_levels, prefill = drafting.model.draft_levels, drafting.model.prefill
