@@ -138,10 +138,17 @@ def spec_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A:
     return out
 
 
-def _one_token_each(starts: torch.Tensor) -> bool:
-    """Whether every request of a speculative call has one token (no drafts this step, as in a
-    batch for which the batch-size schedule turned speculation off)."""
-    return bool(((starts[1:] - starts[:-1]) == 1).all())
+def _host_plan(starts: torch.Tensor, first: torch.Tensor, num_accepted_tokens: torch.Tensor,
+               null_block_id: int) -> list[int] | None:
+    """For a speculative call: None if some request has drafts this step; else the rows whose
+    window and state the last step's accepted drafts left past column / slot 0 (accepted > 1, a
+    real slot). Host lists: the step's metadata are small CPU tensors, for which a few list
+    operations cost less than a chain of tensor ops (both plans 36 -> 12 us a step at batch 4)."""
+    starts = starts.tolist()
+    if any(b - a != 1 for a, b in zip(starts, starts[1:])):
+        return None
+    accepted = num_accepted_tokens[:len(first)].tolist()
+    return [i for i, (n, slot) in enumerate(zip(accepted, first.tolist())) if n > 1 and slot != null_block_id]
 
 
 class _PerStep:
@@ -163,22 +170,25 @@ class _PerStep:
 def _conv_plan(query_start_loc, conv_state_indices, num_accepted_tokens, null_block_id):
     """For a speculative conv call: None if some request has drafts; else each request's slot and
     the rows whose window must first move to column 0 (``(slots, accepted)``, or None)."""
-    if not _one_token_each(query_start_loc):
-        return None
     slots = conv_state_indices[:, 0].contiguous()
-    move = ((num_accepted_tokens[:len(slots)] > 1) & (slots != null_block_id)).nonzero()[:, 0]
-    return slots, ((slots[move].long(), num_accepted_tokens[move]) if len(move) else None)
+    move = _host_plan(query_start_loc, slots, num_accepted_tokens, null_block_id)
+    if move is None:
+        return None
+    move = torch.tensor(move, dtype=torch.long) if move else None
+    return slots, (None if move is None else (slots[move].long(), num_accepted_tokens[move]))
 
 
 def _state_plan(cu_seqlens, table, num_accepted_tokens, null_block_id):
     """For a speculative SSM-state call: None if some request has drafts; else each request's
     first slot (``(b, 1)``, dense: the C++ op reads it so) and the moves of the states left at
     slot ``num_accepted - 1`` to slot 0 (``(dst, src)``, or None)."""
-    if not _one_token_each(cu_seqlens):
+    move = _host_plan(cu_seqlens, table[:, 0], num_accepted_tokens, null_block_id)
+    if move is None:
         return None
-    move = ((num_accepted_tokens[:len(table)] > 1) & (table[:, 0] != null_block_id)).nonzero()[:, 0]
-    rows = table[move].long()
-    moves = (rows[:, 0], start_slots(rows, num_accepted_tokens[move])) if len(move) else None
+    moves = None
+    if move:
+        rows = table[move].long()
+        moves = (rows[:, 0], start_slots(rows, num_accepted_tokens[move]))
     return table[:, :1].contiguous(), moves
 
 
