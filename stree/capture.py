@@ -125,20 +125,23 @@ class _OnednnLinears:
             onednn = isinstance(batch_size, int) and batch_size * node.meta["val"].numel() >= PACK_MIN_WORK
             if not (is_lp_weight or onednn):
                 return pack_weight(self, graph, False, transpose_weight_node, batch_size)
-            # One packed copy per weight and batch size, placed right after the weight (before
-            # every use): inductor packs each linear call's weight anew, so a weight used by
-            # several calls in one graph (a draft's levels) would be packed, held and streamed
-            # once per call (a 4-level fp32 chain draft: 1.4 -> 2.0 ms)
+            # One packed copy per weight, placed right after the weight (before every use):
+            # inductor packs each linear call's weight anew, so a weight used by several calls
+            # in one graph (a draft's levels) would be packed, held and streamed once per call
+            # (a 4-level fp32 chain draft: 1.4 -> 2.0 ms). Packed for the rows of its first
+            # call (oneDNN's packed weight serves any number of rows): a draft whose roots'
+            # pass runs a lead (more rows than its other levels) would otherwise stream its
+            # weights in two layouts, cold after the target's forward (shipped bf16 draft,
+            # caches flushed between drafts: 1.18-1.20 -> 1.08-1.16 ms a draft with a lead)
             packed = getattr(graph, "_stree_packed", None)
             if packed is None:
                 packed = graph._stree_packed = {}
-            key = (node, batch_size)
-            if key not in packed:
+            if node not in packed:
                 with graph.inserting_after(node):
                     permute = graph.create_node("call_function", torch.ops.aten.permute.default, (node, (1, 0)))
                 with graph.inserting_after(permute):
-                    packed[key] = pack_weight(self, graph, True, permute, batch_size)
-            return packed[key]
+                    packed[node] = pack_weight(self, graph, True, permute, batch_size)
+            return packed[node]
 
         def pack_linear(self, graph, is_lp_weight, batch_size, input, packed_weight_node, bias):
             onednn = packed_weight_node.target in (reorder, reorder.default)
