@@ -174,8 +174,7 @@ def _conv_plan(query_start_loc, conv_state_indices, num_accepted_tokens, null_bl
     move = _host_plan(query_start_loc, slots, num_accepted_tokens, null_block_id)
     if move is None:
         return None
-    move = torch.tensor(move, dtype=torch.long) if move else None
-    return slots, (None if move is None else (slots[move].long(), num_accepted_tokens[move]))
+    return slots, ((slots[move].long(), num_accepted_tokens[move]) if move else None)
 
 
 def _state_plan(cu_seqlens, table, num_accepted_tokens, null_block_id):
