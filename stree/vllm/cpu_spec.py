@@ -170,10 +170,10 @@ class _PerStep:
 def _conv_plan(query_start_loc, conv_state_indices, num_accepted_tokens, null_block_id):
     """For a speculative conv call: None if some request has drafts; else each request's slot and
     the rows whose window must first move to column 0 (``(slots, accepted)``, or None)."""
-    slots = conv_state_indices[:, 0].contiguous()
-    move = _host_plan(query_start_loc, slots, num_accepted_tokens, null_block_id)
-    if move is None:
+    move = _host_plan(query_start_loc, conv_state_indices[:, 0], num_accepted_tokens, null_block_id)
+    if move is None:  # a step with drafts: nothing else to build
         return None
+    slots = conv_state_indices[:, 0].contiguous()
     return slots, ((slots[move].long(), num_accepted_tokens[move]) if move else None)
 
 
