@@ -101,6 +101,20 @@ def test_eq7_step_time_and_tau_of_a_chain():
     assert seconds == pytest.approx(1e-2 + 5 * 2e-3 + 4 * (1e-4 + 1e-5))
 
 
+def test_a_backlog_costs_a_prefill_or_rides_in_the_roots_pass_as_a_lead():
+    """Tokens the draft has not run (after a suffix tree's step) cost a prefill of their own
+    before the draft, unless the draft takes them as its lead: then its roots' pass runs them."""
+    cost = ForwardCost(0.0, 1e-5, 1e-4)  # draft seconds for n nodes: 1e-4 + 1e-5 n
+    auto = AutoDrafter(("chain:4",), ForwardCost(0.0, 2e-3, 1e-2), memory=memory([0.8]), draft_cost=cost)
+    no_backlog = auto.model("chain:4")[1]
+    auto._lag = 3
+    assert auto.model("chain:4")[1] == pytest.approx(no_backlog + cost(3))
+    auto._lead = True
+    assert auto.model("chain:4")[1] == pytest.approx(no_backlog + 3 * 1e-5)
+    auto._lag = 17  # past MAX_LEAD: prefilled first
+    assert auto.model("chain:4")[1] == pytest.approx(no_backlog + cost(17))
+
+
 def test_level_widths_count_the_new_nodes_of_each_level():
     assert level_widths([-1, 0, 0, 1, 2, 3, 4]) == [1, 2, 2]  # depth 3 is never forwarded
     assert level_widths([-1, 0, 1, 2]) == [1, 1, 1]

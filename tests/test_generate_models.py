@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import stree
+from stree.draft.auto import AutoDrafter
 from tests.oracle import SequentialDecoder
 from tests.test_model_hybrid import make_hybrid
 from tests.test_model_mamba2 import make_model
@@ -157,13 +158,17 @@ def test_level_drafting_drafts_what_rerunning_the_tree_drafts(drafter):
     assert level.stats.accept_hist == rerun.stats.accept_hist and level.stats.tau > 1.2
 
 
-@pytest.mark.parametrize("drafter", ["caterpillar:2,2,2,2", "caterpillar:2,2,2+suffix:16"])
-def test_a_greedy_static_draft_runs_what_it_is_behind_as_its_lead(monkeypatch, mamba_pair, mamba_reference,
-                                                                  drafter):
+@pytest.mark.parametrize("drafter", ["caterpillar:2,2,2,2", "caterpillar:2,2,2+suffix:16", "auto"])
+def test_a_greedy_static_draft_runs_what_it_is_behind_as_its_lead(monkeypatch, tmp_path, mamba_pair,
+                                                                  mamba_reference, drafter):
     """A greedy static draft of an attention-free draft model never runs the accepted leaf of
     its last tree (or a merged tree's accepted suffix nodes) by a forward of its own: the next
-    draft runs them as its lead; the output is still the target's greedy decoding."""
+    draft runs them as its lead; the output is still the target's greedy decoding. So does
+    ``auto`` choosing among static trees, merged or not (each step's choice takes the lead)."""
     target, draft = mamba_pair
+    if drafter == "auto":  # every candidate drafts with the model: no backlog outgrows a lead
+        monkeypatch.setenv("STREE_CACHE", str(tmp_path))  # its cost model's timings
+        drafter = AutoDrafter(("caterpillar:2,2,2", "chain:4", "caterpillar:2,2,2+suffix:16"), warmup=2)
     leads, prefills = [], []
     draft_levels, prefill = draft.draft_levels, draft.prefill
     monkeypatch.setattr(draft, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
@@ -175,6 +180,8 @@ def test_a_greedy_static_draft_runs_what_it_is_behind_as_its_lead(monkeypatch, m
     ran = [lead for lead in leads if lead is not None]
     assert len(ran) > len(leads) // 10 and all(lead.shape[1] in (1, 2, 4, 8, 16) for lead in ran)
     assert prefills and set(prefills) == {0}  # the prompts only, before the first draft
+    if isinstance(drafter, AutoDrafter):
+        assert len(drafter.memory.times) > 1  # it ran more than one candidate
 
 
 def test_a_sampled_static_draft_with_a_lead_draws_what_it_draws_after_a_catch_up(monkeypatch, mamba_pair):

@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 
 from stree.costmodel import ForwardCost, forward_cost
-from stree.draft.base import SAMPLED_MODES, Drafter
+from stree.draft.base import MAX_LEAD, SAMPLED_MODES, Drafter
 from stree.draft.merged import MergedDrafter, all_chosen
 from stree.draft.presets import parse_tree
 from stree.draft.suffix import ContextIndex, SuffixDrafter
@@ -328,10 +328,13 @@ class AutoDrafter(Drafter):
     _shapes: dict = field(init=False, repr=False)  # spec -> (parents, level widths), fixed shapes
     _step_start: float | None = field(init=False, default=None)
     _step_model: tuple[float, float] | None = field(init=False, default=None)  # (tau, s) now
-    # tokens the draft model has not run (the loop's backlog, max over rows), and this step's
-    # choice once made (by wants_draft_model or draft)
+    # tokens the draft model has not run (the loop's backlog, max over rows), whether the loop
+    # runs them in the next draft's roots' pass (a lead: set by prepare), and this step's choice
+    # once made (by wants_draft_model or draft)
     _lag: int = field(init=False, default=0)
+    _lead: bool = field(init=False, default=False)
     _planned: str | None = field(init=False, default=None)
+    _probs: dict = field(init=False, default_factory=dict)  # rank_probs by mode, this step's
 
     def __post_init__(self):
         if not self.candidates:
@@ -388,6 +391,12 @@ class AutoDrafter(Drafter):
     def reads_context(self) -> bool:
         return any(d.reads_context for d in self._drafters.values())
 
+    def takes_lead(self, model, sampling: SamplingConfig) -> bool:
+        # whichever draft-model candidate is chosen must take it (the loop passes a lead only to
+        # a step that runs the draft model; a suffix tree alone never gets one)
+        return any(d.uses_draft_model for d in self._drafters.values()) and all(
+            d.takes_lead(model, sampling) for d in self._drafters.values() if d.uses_draft_model)
+
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         if self.mode is not None:
             return (self.mode,)
@@ -408,7 +417,8 @@ class AutoDrafter(Drafter):
     # ------------------------------------------------------------------------------ decision
     def prepare(self, target, draft, sampling: SamplingConfig) -> None:
         self._step_start = None  # a new generation: the time since the last step is not a step
-        self._lag, self._planned = 0, None
+        self._lag, self._planned, self._probs = 0, None, {}
+        self._lead = draft is not None and self.takes_lead(draft, sampling)
         self.by_mode = not sampling.is_greedy
         self.index.bind(target)
         if self.remember:
@@ -468,7 +478,12 @@ class AutoDrafter(Drafter):
             parents = best_tree(base.num_nodes - 1, p)
             shape = parents, level_widths(parents)
         parents, widths = shape
-        draft_s = sum(self.draft_cost(n) for n in widths) + (self.draft_cost(self._lag) if self._lag else 0.0)
+        backlog = 0.0
+        if self._lag and self._lead and self._lag <= MAX_LEAD:  # run in the roots' pass
+            widths = [widths[0] + self._lag, *widths[1:]]
+        elif self._lag:  # a prefill of its own first
+            backlog = self.draft_cost(self._lag)
+        draft_s = sum(self.draft_cost(n) for n in widths) + backlog
         tau = expected_tau(parents, p)
         if suffix is None:
             return tau, self.target_cost(len(parents)) + draft_s
@@ -478,10 +493,14 @@ class AutoDrafter(Drafter):
 
     def rank_probs(self, mode: str) -> list[list[float]]:
         """``p[d][k]`` for children drafted in ``mode``: the pooled profile's, or with
-        ``by_mode`` that mode's own profile shrunk to the pooled one."""
-        pooled = self.memory.profile
-        own = self.memory.by_mode.get(mode) if self.by_mode else None
-        return pooled.rank_probs() if own is None else own.rank_probs(pooled.hazards())
+        ``by_mode`` that mode's own profile shrunk to the pooled one. Computed once per step
+        and mode (the profiles change only in :meth:`observe`)."""
+        key = (mode, self.by_mode)
+        if key not in self._probs:
+            pooled = self.memory.profile
+            own = self.memory.by_mode.get(mode) if self.by_mode else None
+            self._probs[key] = pooled.rank_probs() if own is None else own.rank_probs(pooled.hazards())
+        return self._probs[key]
 
     def choose(self) -> str:
         """The candidate with the most predicted tokens per second (Eq. 7/8: t / tau), keeping
@@ -539,18 +558,20 @@ class AutoDrafter(Drafter):
         return mem.current
 
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
-              generator: torch.Generator | None = None) -> Draft:
+              generator: torch.Generator | None = None, lead: Tensor | None = None) -> Draft:
         d = self._drafters[self._plan(roots)]
         self._planned = None
-        out = d.draft(model, cache, roots, sampling, generator)
+        args = (model, cache, roots, sampling, generator)
+        out = d.draft(*args) if lead is None else d.draft(*args, lead=lead)
         if d.uses_draft_model:
-            self._lag = 0  # the loop caught the draft up before this draft
+            self._lag = 0  # the backlog ran: caught up before this draft, or as its lead
         if self.mode in SAMPLED_MODES and out.mode == "deterministic":
             out = all_chosen(out, self.mode)  # a suffix tree; one verifier for all: MSS, as naive
         return out
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
         mem = self.memory
+        self._probs = {}
         mem.steps += 1
         paths = path.tolist()  # the step's one read of the verdicts, for every count below
         d = self.chosen
