@@ -7,6 +7,7 @@ change is three new methods; the model's own code paths are untouched.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -202,10 +203,11 @@ class TreeDecodingMixin:
         pending.lead = lead_counts
         return out
 
-    @property
+    @functools.cached_property
     def runs_lead(self) -> bool:
         """Whether ``draft_levels`` takes a ``lead``: a model without attention layers, whose
-        state does not depend on the positions the lead would shift."""
+        state does not depend on the positions the lead would shift (read once: the loop asks
+        every step, and a walk over the layers costs tens of microseconds)."""
         return all(mamba2.is_mamba2(mixer) for _, mixer in mixers(self))
 
 

@@ -67,6 +67,17 @@ def test_profile_counts_ranks_and_censoring():
     assert pr.at_risk[1][:3] == [1.0, 1.0, 0.0]  # node 2 (depth 1): ranks 0, 1 rejected
     hazards = pr.hazards()
     assert hazards[0][:2] == [0.0, 1.0] and hazards[1][:2] == [0.0, 0.0]
+    # the first ranks alone (what auto reads for trees of at most that many children a node)
+    pr.prior_weight = 2.0
+    full, prior = pr.rank_probs(), profile([0.3, 0.2]).hazards()
+    assert pr.rank_probs(ranks=2) == [row[:2] for row in full]
+    assert pr.rank_probs(prior, ranks=3) == [row[:3] for row in pr.rank_probs(prior)]
+
+
+def test_auto_reads_as_many_ranks_as_its_draft_trees_have_children():
+    assert AutoDrafter(("chain:4", "suffix:16"))._ranks == 1
+    assert AutoDrafter(("chain:4", "caterpillar:3,2,2+suffix:16"))._ranks == 3
+    assert AutoDrafter(("dyspec:8",))._ranks == 8
 
 
 def test_profile_decays_only_the_depths_a_step_reaches():

@@ -66,6 +66,7 @@ on the shipped pair at T = 1).
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -138,22 +139,24 @@ class AcceptanceProfile:
         self.events = self.events or [[0.0] * self.max_rank for _ in range(self.max_depth)]
         self.at_risk = self.at_risk or [[0.0] * self.max_rank for _ in range(self.max_depth)]
 
-    def hazards(self, prior: list[list[float]] | None = None) -> list[list[float]]:
-        """``h[d][k]``, each with a prior worth ``prior_weight`` nodes: of mean ``prior[d][k]``
-        when given (another profile's hazards), else the depth above's ``h[d-1][k]`` (depth 0:
-        ``0.5 / (k + 1)``), so an unseen depth is predicted like the nearest seen one."""
-        w, out = self.prior_weight, []
+    def hazards(self, prior: list[list[float]] | None = None, ranks: int | None = None) -> list[list[float]]:
+        """``h[d][k]`` for the first ``ranks`` ranks (all by default), each with a prior worth
+        ``prior_weight`` nodes: of mean ``prior[d][k]`` when given (another profile's hazards),
+        else the depth above's ``h[d-1][k]`` (depth 0: ``0.5 / (k + 1)``), so an unseen depth is
+        predicted like the nearest seen one."""
+        w, out, n = self.prior_weight, [], self.max_rank if ranks is None else min(ranks, self.max_rank)
         for d, (events, at_risk) in enumerate(zip(self.events, self.at_risk)):
             means = (prior[d] if prior is not None else out[-1] if out
-                     else [0.5 / (k + 1) for k in range(self.max_rank)])
+                     else [0.5 / (k + 1) for k in range(n)])
             out.append([(e + w * m) / (r + w) if r + w > 0 else m
-                        for e, r, m in zip(events, at_risk, means)])
+                        for e, r, m in zip(events[:n], at_risk[:n], means)])
         return out
 
-    def rank_probs(self, prior: list[list[float]] | None = None) -> list[list[float]]:
-        """``p[d][k]``: probability that a reached depth-``d`` node's k-th child is accepted."""
+    def rank_probs(self, prior: list[list[float]] | None = None, ranks: int | None = None) -> list[list[float]]:
+        """``p[d][k]``: probability that a reached depth-``d`` node's k-th child is accepted (the
+        first ``ranks`` ranks; all by default)."""
         out = []
-        for hazards in self.hazards(prior):
+        for hazards in self.hazards(prior, ranks):
             row, alive = [], 1.0
             for h in hazards:
                 row.append(alive * h)
@@ -335,6 +338,7 @@ class AutoDrafter(Drafter):
     _lead: bool = field(init=False, default=False)
     _planned: str | None = field(init=False, default=None)
     _probs: dict = field(init=False, default_factory=dict)  # rank_probs by mode, this step's
+    _ranks: int = field(init=False, default=1)
 
     def __post_init__(self):
         if not self.candidates:
@@ -345,6 +349,10 @@ class AutoDrafter(Drafter):
                         for spec, d in ((spec, _model_part(d)) for spec, d in self._drafters.items())
                         if getattr(d, "parents", None)}
         self._lag, self._planned = 0, None
+        # the most children of a node any draft-model candidate drafts (a dynamic budget: its
+        # size): the ranks its predictions read, all that rank_probs computes each step
+        self._ranks = max((_max_children(_model_part(d)) for d in self._drafters.values() if d.uses_draft_model),
+                          default=1)
 
     # --------------------------------------------------------------------------------- shape
     @property
@@ -499,7 +507,12 @@ class AutoDrafter(Drafter):
         if key not in self._probs:
             pooled = self.memory.profile
             own = self.memory.by_mode.get(mode) if self.by_mode else None
-            self._probs[key] = pooled.rank_probs() if own is None else own.rank_probs(pooled.hazards())
+            if own is None:
+                self._probs[key] = pooled.rank_probs(ranks=self._ranks)
+            else:
+                if "pooled" not in self._probs:
+                    self._probs["pooled"] = pooled.hazards(ranks=self._ranks)
+                self._probs[key] = own.rank_probs(self._probs["pooled"], self._ranks)
         return self._probs[key]
 
     def choose(self) -> str:
@@ -601,6 +614,14 @@ class AutoDrafter(Drafter):
             d.base.observe(*d.base_view(path))
         elif not d.reads_context:
             d.observe(tree, path)
+
+
+def _max_children(d: Drafter) -> int:
+    """The most children a node of ``d``'s trees has: of its fixed shape, or at most its size."""
+    parents = getattr(d, "parents", None)
+    if not parents:
+        return max(d.num_nodes - 1, 1)
+    return max(Counter(parents[1:]).values(), default=1)
 
 
 def _model_part(d: Drafter) -> Drafter:
