@@ -43,19 +43,24 @@ class TreeMambaMixer2(MambaMixer2):
         conv = tree_conv_rows(xbc[:d], conv_state, self.conv_weights, self.conv1d.bias, self.activation, rows, step)
         x, B, C = self.split_hidden_states_B_C_fn(conv)
         out = output[:d].view(d, heads, self.head_dim)
-        others = rows.masked is not None or metadata.num_prefills
+        others = rows.masked is not None  # decode rows without a tree
         y = out.new_empty(out.shape) if others else out
         tree_scan_rows(self.kv_cache[1], x.view(d, heads, self.head_dim), dt[:d], self.A, B.view(d, groups, -1),
                        C.view(d, groups, -1), self.D, self.dt_bias, rows, step, out=y)
-        if others:  # then the other rows, by vLLM's own code, the tree rows' slots masked
-            table = metadata.state_indices_tensor_d
-            if rows.masked is not None:
+        if others or metadata.num_prefills:  # then the other rows, by vLLM's own code
+            # the tree rows' slots masked; where every decode row is a tree, vLLM's decode
+            # path is skipped (it would compute the trees again, as drafts, and discard them)
+            saved = metadata.state_indices_tensor_d, metadata.num_decodes
+            if others:
                 metadata.state_indices_tensor_d = rows.masked
+            else:
+                metadata.num_decodes = 0
             try:
                 super().conv_ssm_forward(projected_states, output)
             finally:
-                metadata.state_indices_tensor_d = table
-            out[rows.tokens] = y[rows.tokens]
+                metadata.state_indices_tensor_d, metadata.num_decodes = saved
+            if others:
+                out[rows.tokens] = y[rows.tokens]
 
 
 def _conv_dim_first() -> bool:
