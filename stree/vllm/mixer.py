@@ -7,7 +7,8 @@ its ``conv_ssm_forward`` (the part of the layer that runs inside vLLM's ``mamba_
 vLLM's compilation keeps out of its graphs) runs each tree's nodes with stree's tree conv and tree
 scan from the committed state, nothing written, keeping what the commit replays; the batch's other
 rows (prefills, requests without a tree) go through vLLM's own code with the tree rows' state slots
-set to vLLM's null block, which its ops skip. Where the tree rows sit among the decode rows, their
+set to vLLM's null block, which its ops skip (where every decode row is a tree, through its prefill
+path alone). Where the tree rows sit among the decode rows, their
 slots and start states are read once per step (:meth:`~stree.vllm.trees.TreeStep.mamba_rows`)
 and shared by every layer: per layer and tree shape the work is the gathers, the conv, the scan
 and the output writes.
