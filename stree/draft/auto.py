@@ -66,9 +66,9 @@ on the shipped pair at T = 1).
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -337,7 +337,7 @@ class AutoDrafter(Drafter):
     _lag: int = field(init=False, default=0)
     _lead: bool = field(init=False, default=False)
     _planned: str | None = field(init=False, default=None)
-    _probs: dict = field(init=False, default_factory=dict)  # rank_probs by mode, this step's
+    _probs: dict = field(init=False, default_factory=dict)  # this step's rank_probs by mode (and pooled hazards)
     _ranks: int = field(init=False, default=1)
 
     def __post_init__(self):
