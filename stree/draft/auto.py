@@ -68,7 +68,6 @@ from __future__ import annotations
 import heapq
 import time
 import weakref
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -351,7 +350,7 @@ class AutoDrafter(Drafter):
         self._lag, self._planned = 0, None
         # the most children of a node any draft-model candidate drafts (a dynamic budget: its
         # size): the ranks its predictions read, all that rank_probs computes each step
-        self._ranks = max((_max_children(_model_part(d)) for d in self._drafters.values() if d.uses_draft_model),
+        self._ranks = max((_model_part(d).max_children for d in self._drafters.values() if d.uses_draft_model),
                           default=1)
 
     # --------------------------------------------------------------------------------- shape
@@ -614,14 +613,6 @@ class AutoDrafter(Drafter):
             d.base.observe(*d.base_view(path))
         elif not d.reads_context:
             d.observe(tree, path)
-
-
-def _max_children(d: Drafter) -> int:
-    """The most children a node of ``d``'s trees has: of its fixed shape, or at most its size."""
-    parents = getattr(d, "parents", None)
-    if not parents:
-        return max(d.num_nodes - 1, 1)
-    return max(Counter(parents[1:]).values(), default=1)
 
 
 def _model_part(d: Drafter) -> Drafter:

@@ -60,6 +60,11 @@ class Drafter(ABC):
     def max_leaves(self) -> int: ...
 
     @property
+    def max_children(self) -> int:
+        """The most children a node of its trees may have (a dynamic tree: its whole budget)."""
+        return max(self.num_nodes - 1, 1)
+
+    @property
     def uses_draft_model(self) -> bool:
         return self.depth > 0
 

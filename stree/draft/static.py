@@ -133,6 +133,10 @@ class StaticTreeDrafter(Drafter):
     def max_leaves(self) -> int:
         return self.num_nodes - len(set(self.parents[1:]))
 
+    @property
+    def max_children(self) -> int:
+        return max(self._fanout, default=1) or 1
+
     # ------------------------------------------------------------------------------------- modes
     def modes(self, sampling: SamplingConfig) -> tuple[str, ...]:
         if self.mode is not None:
