@@ -150,3 +150,78 @@ def test_bad_inputs_get_clear_errors(cpu_ops):
         cpu_ops.tree_scan_commit(torch.zeros(2, 2, 4, 8), torch.tensor([0]), torch.zeros(1, 2, 4, 8),
                                  torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2), -torch.ones(2), torch.zeros(1, 2, 1, 8),
                                  torch.tensor([[0, 2]]))
+
+
+def _paged(values, tables, blocks, block_size, ts, es):
+    """A ``(blocks, kv_heads, block_size, d)`` cache whose head regions hold token t's channel e at
+    ``t * ts + e * es``, with request r's ``values[r] (length, kv_heads, d)`` at its blocks ``tables[r]``."""
+    kv_heads, d = values[0].shape[1:]
+    memory = torch.full((blocks * kv_heads * block_size * d,), float("nan"))  # unwritten: never read
+    cache = memory.as_strided((blocks, kv_heads, block_size, d), (kv_heads * block_size * d, block_size * d, ts, es))
+    for vals, table in zip(values, tables):
+        for pos in range(len(vals)):
+            block, t = table[pos // block_size], pos % block_size
+            for h in range(kv_heads):
+                base = block * cache.stride(0) + h * cache.stride(1) + t * ts
+                memory[base + torch.arange(d) * es] = vals[pos, h]
+    return cache
+
+
+@pytest.mark.parametrize("channel_major_k", [True, False], ids=["k-channel-major", "k-token-major"])
+@pytest.mark.parametrize("parents", PARENTS[1:])
+def test_tree_attention_rows_match_a_softmax_per_node(cpu_ops, channel_major_k, parents):
+    """Each node against its own softmax over its request's context and its root path, on a paged
+    cache laid out as vLLM's CPU backend lays fp32 out (K channel-major, V token-major) and the
+    other way round; requests whose nodes straddle a block, one with no context at all."""
+    gen = torch.Generator().manual_seed(len(parents))
+    heads, kv_heads, d, block_size, m = 6, 2, 16, 8, len(parents)
+    contexts = [13, 0, 5 + 8]
+    tables = [[4, 0, 6], [2, 9], [7, 1, 3, 5]]
+    lengths = [c + m for c in contexts]
+    keys = [torch.randn(n, kv_heads, d, generator=gen) for n in lengths]
+    values = [torch.randn(n, kv_heads, d, generator=gen) for n in lengths]
+    k_strides = (1, block_size) if channel_major_k else (d, 1)
+    v_strides = (d, 1) if channel_major_k else (1, block_size)
+    key_cache = _paged(keys, tables, 10, block_size, *k_strides)
+    value_cache = _paged(values, tables, 10, block_size, *v_strides)
+    tokens = 3 * m + 5
+    index = _scattered(3, m, tokens, gen)
+    query = torch.randn(tokens, heads, d, generator=gen)
+    out = torch.zeros(tokens, heads, d)
+    mask = TokenTree(torch.zeros(1, m, dtype=torch.long), parents).mask[0]
+    width = max(map(len, tables))
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    cpu_ops.tree_attention_rows(query, key_cache, value_cache, *k_strides, *v_strides, block_table,
+                                torch.tensor(lengths), index, mask, d ** -0.5, out)
+    for r, context in enumerate(contexts):
+        for i in range(m):
+            seen = list(range(context)) + [context + j for j in range(m) if mask[i, j]]
+            k = keys[r][seen].repeat_interleave(heads // kv_heads, 1)  # (seen, heads, d)
+            v = values[r][seen].repeat_interleave(heads // kv_heads, 1)
+            probs = (torch.einsum("hd,lhd->hl", query[index[r, i]], k) * d ** -0.5).softmax(-1)
+            torch.testing.assert_close(out[index[r, i]], torch.einsum("hl,lhd->hd", probs, v), rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(tokens, dtype=torch.bool)
+    untouched[index.flatten()] = False
+    assert not out[untouched].any()  # rows of other tokens are left alone
+
+
+def test_tree_attention_rows_reject_bad_tables(cpu_ops):
+    cache = torch.zeros(2, 1, 4, 8)
+    query, out = torch.randn(3, 2, 8), torch.zeros(3, 2, 8)
+
+    def call(table=(0, 1), length=5, index=(2, 1), mask=((True, False), (True, True))):
+        cpu_ops.tree_attention_rows(query, cache, cache, 1, 4, 8, 1, torch.tensor([table]), torch.tensor([length]),
+                                    torch.tensor([index]), torch.tensor(mask), 1.0, out)
+
+    call()  # valid
+    with pytest.raises(RuntimeError, match="a KV block out of range"):
+        call(table=(0, 2))
+    with pytest.raises(RuntimeError, match="a sequence length out of range"):
+        call(length=9)
+    with pytest.raises(RuntimeError, match="a token row out of range"):
+        call(index=(3, 1))
+    with pytest.raises(RuntimeError, match="see itself"):
+        call(mask=((True, False), (True, False)))
+    with pytest.raises(RuntimeError, match="past its storage"):
+        cpu_ops.tree_attention_rows(query, cache, cache, 1, 8, 8, 1, torch.tensor([[0, 1]]), torch.tensor([5]),
+                                    torch.tensor([[2, 1]]), torch.tensor([[True, False], [True, True]]), 1.0, out)

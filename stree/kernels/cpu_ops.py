@@ -1,12 +1,14 @@
-"""stree's C++ CPU ops (``csrc/tree_rows.cpp``), built on first use with torch's C++ extension
-loader and cached per source, flags, CPU, Python and torch version under ``$STREE_CACHE``
-(default ``~/.cache/stree``).
+"""stree's C++ CPU ops (``csrc/tree_rows.cpp``, ``csrc/tree_attention.cpp``), built on first use
+with torch's C++ extension loader and cached per source, flags, CPU, Python and torch version
+under ``$STREE_CACHE`` (default ``~/.cache/stree``).
 
 Serving engines run a decode step as a few fused ops per layer; stree's eager tree rows are a
 dozen small PyTorch ops per layer and tree shape, each paying the interpreter and dispatcher. These
-ops do a Mamba2 layer's tree conv, tree scan and their commits, gathers and copies included, one
-call each. Each has an eager reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
-:func:`stree.kernels.tree_scan.tree_scan`, :mod:`stree.kernels.replay`), which is what runs where
+ops do a Mamba2 layer's tree conv, tree scan and their commits, gathers and copies included, and an
+attention layer's tree rows over the engine's paged KV cache, one call each. Each has an eager
+reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
+:func:`stree.kernels.tree_scan.tree_scan`, :mod:`stree.kernels.replay`,
+:func:`stree.vllm.trees.tree_attention`'s gathered path), which is what runs where
 the ops cannot: no compiler (a warning, once), ``STREE_CPU_OPS=0``, or anything but fp32 CPU
 tensors.
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "tree_rows.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("tree_rows.cpp", "tree_attention.cpp")]
 # -march=native: built on the machine that runs it; -ffast-math: vectorized exp and sums (the
 # results are compared with the eager references at fp32 tolerances, as the Triton kernels are)
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -39,7 +41,7 @@ def _cpu_flags() -> bytes:
 
 
 def _build_dir() -> Path:
-    key = _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_flags()
+    key = b"".join(source.read_bytes() for source in _SOURCES) + " ".join(_FLAGS).encode() + _cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:12]
     root = Path(os.environ.get("STREE_CACHE", Path.home() / ".cache" / "stree"))
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{digest}"
@@ -59,7 +61,7 @@ def ops():
 
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
-        _module = load(name="stree_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build),
+        _module = load(name="stree_cpu_ops", sources=[str(source) for source in _SOURCES], build_directory=str(build),
                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: the eager path still gives the same results
         _failed = f"{type(exc).__name__}: {exc}"

@@ -95,6 +95,11 @@ class TreeGroup:
         return [len(tr.path) - 1 for tr in self.rows]
 
     @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """``(n, n)`` bool, contiguous: node i sees node j (the C++ tree attention's mask)."""
+        return self.tree("cpu").mask[0].contiguous()
+
+    @cached_property
     def parent_index(self) -> torch.Tensor:
         """``(n,)`` int64 the shared parent list (the C++ tree scan's table)."""
         return torch.tensor(self.parents)
@@ -279,6 +284,19 @@ class TreeStep:
             self._mamba[key] = MambaRows(groups, handled, masked)
         return self._mamba[key]
 
+    def paged(self, metadata) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
+        """Per tree group of an attention layer's ``metadata``: its requests' block tables
+        ``(b, nb)`` and sequence lengths ``(b,)``, int64, as stree's C++ tree attention reads them
+        in place. The same for every layer sharing the metadata: built once."""
+        key = ("paged", id(metadata.block_table))
+        if key not in self._contexts:
+            row = {s: r for r, s in enumerate(metadata.query_start_loc.tolist()[:-1])}
+            self._contexts[key] = []
+            for g in self.groups():
+                rows = torch.tensor([row[tr.start] for tr in g.rows])
+                self._contexts[key].append((g, metadata.block_table[rows].long(), metadata.seq_lens[rows].long()))
+        return self._contexts[key]
+
     def contexts(self, metadata, block: int) -> list[AttentionContext]:
         """One :class:`AttentionContext` per tree group of an attention layer's ``metadata``
         (``block``: its KV block size). The same for every layer sharing the metadata: built
@@ -429,6 +447,11 @@ class CacheLayout:
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor):
         self.key, self.value = key, value
+        k, v = _linear(key), _linear(value)
+        # (k_ts, k_es, v_ts, v_es) where token t's channel e sits at t * ts + e * es in K's and in
+        # V's head regions (fp32 on x86: K channel-major, V token-major), which stree's C++ tree
+        # attention reads in place; None for other layouts (the gathered path)
+        self.strides = k + v if k and v else None
 
     @staticmethod
     def block_size(cache: torch.Tensor) -> int:
@@ -473,6 +496,15 @@ class CacheLayout:
         return cls._cache[k]
 
 
+def _linear(index: torch.Tensor) -> tuple[int, int] | None:
+    """``(ts, es)`` where ``index (block_size, head_dim) == t * ts + e * es``, else None."""
+    block, head_dim = index.shape
+    ts = int(index[1, 0] - index[0, 0]) if block > 1 else head_dim
+    es = int(index[0, 1] - index[0, 0]) if head_dim > 1 else 1
+    t, e = torch.arange(block)[:, None], torch.arange(head_dim)
+    return (ts, es) if ts > 0 and es > 0 and torch.equal(index, t * ts + e * es) else None
+
+
 class FlashLayout:
     """vLLM's FlashAttention paged cache (GPU): ``kv_cache (blocks, kv_heads, block_size, 2 *
     head_dim)``, K in the first ``head_dim`` channels, split as ``FlashAttentionImpl.forward``
@@ -503,6 +535,9 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     views, its in-block layout probed; :class:`FlashLayout`: FlashAttention's); metadata: vLLM's
     attention metadata (query_start_loc, seq_lens, block_table, slot_mapping). Query row ``i`` of
     a tree attends to the request's committed context and to the tree nodes on its own root path.
+    Where the layout is linear in token and channel (vLLM's fp32 CPU cache) and the tensors fp32,
+    stree's C++ op reads the cache in place, one call per tree shape; elsewhere each group's
+    context is gathered and SDPA runs under the tree mask.
     """
     if (impl.alibi_slopes is not None or impl.sliding_window not in (None, -1, (-1, -1))
             or getattr(impl, "sinks", None) is not None):
@@ -513,21 +548,26 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     if layout is None:
         layout = CacheLayout.probe(layer, key_cache.shape[2], key_cache.shape[3], key_cache.dtype,
                                    impl.kv_cache_dtype)
-    block = layout.block_size(key_cache)
     heads = query.shape[1]
     rows = output.view(output.shape[0], heads, -1)
-    for ctx in step.contexts(metadata, block):
-        g = ctx.group
-        k, v = ctx.gather(layout, key_cache).float(), ctx.gather(layout, value_cache, value=True).float()
-        q = g.take(query).transpose(1, 2).float()  # (b, heads, m, d), fp32 math
-        mask = ctx.allowed[:, None]
-        if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
-            k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
-            scores = impl.logits_soft_cap * torch.tanh(q @ k.transpose(-1, -2) * impl.scale / impl.logits_soft_cap)
-            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=impl.scale, enable_gqa=True)
-        g.put(rows, out.transpose(1, 2))
+    if (getattr(layout, "strides", None) and not impl.logits_soft_cap
+            and cpu_ops.usable(query, key_cache, value_cache, output)):
+        for g, table, lengths in step.paged(metadata):  # one C++ call per tree shape, read in place
+            cpu_ops.ops().tree_attention_rows(query, key_cache, value_cache, *layout.strides, table, lengths,
+                                              g.index, g.ancestors, impl.scale, rows)
+    else:  # the reference: each group's context gathered, SDPA under the tree mask
+        for ctx in step.contexts(metadata, layout.block_size(key_cache)):
+            g = ctx.group
+            k, v = ctx.gather(layout, key_cache).float(), ctx.gather(layout, value_cache, value=True).float()
+            q = g.take(query).transpose(1, 2).float()  # (b, heads, m, d), fp32 math
+            mask = ctx.allowed[:, None]
+            if impl.logits_soft_cap:  # SDPA has no soft cap: the plain formula
+                k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
+                scores = impl.logits_soft_cap * torch.tanh(q @ k.transpose(-1, -2) * impl.scale / impl.logits_soft_cap)
+                out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=impl.scale, enable_gqa=True)
+            g.put(rows, out.transpose(1, 2))
     step.kv.append((key_cache, value_cache, layout, metadata.slot_mapping))
 
 

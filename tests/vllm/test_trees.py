@@ -125,10 +125,10 @@ def test_tree_scan_equals_each_path_as_a_sequence_and_commits_the_path(tree_rows
 @pytest.mark.parametrize("layout, block_size", [("cpu", 16), ("cpu", 128), ("flash", 16)],
                          ids=["cpu-16", "cpu-128", "flash-16"])  # the CPU kernel lays K out differently for 16, 128
 @pytest.mark.parametrize("cap", [0.0, 2.0], ids=["no-cap", "soft-cap"])
-def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size, cap):
-    """On vLLM's CPU cache (written by vLLM's own op, its layout probed) and on FlashAttention's
-    GPU layout (written here on CPU tensors: ``(blocks, kv_heads, block_size, 2 * head_dim)``, K
-    first), which no GPU has run."""
+def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size, cap, tree_rows_impl):
+    """On vLLM's CPU cache (written by vLLM's own op, its layout probed; read in place by stree's
+    C++ op, or gathered) and on FlashAttention's GPU layout (written here on CPU tensors:
+    ``(blocks, kv_heads, block_size, 2 * head_dim)``, K first), which no GPU has run."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -165,6 +165,8 @@ def test_tree_attention_on_vllm_cache_and_compaction(layout, block_size, cap):
     metadata = SimpleNamespace(query_start_loc=torch.tensor(STARTS + [TOKENS]), seq_lens=torch.tensor(lengths),
                                block_table=block_table,
                                slot_mapping=torch.cat([s[c:] for s, c in zip(slot_of, contexts)]))
+    if layout == "cpu" and not cap and tree_rows_impl == "cpp":  # fp32 on x86: the C++ op reads it in place
+        assert CacheLayout.probe(layer, block_size, hd, torch.float32, "auto").strides is not None
     step = _step()
     tree_attention(impl, layer, query, key_cache, value_cache, metadata, output, step,
                    FlashLayout if layout == "flash" else None)

@@ -312,9 +312,17 @@ void tree_scan_commit(at::Tensor ssm_state, const at::Tensor& slots, const at::T
   });
 }
 
+// csrc/tree_attention.cpp
+void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         int64_t k_ts, int64_t k_es, int64_t v_ts, int64_t v_es, const at::Tensor& block_table,
+                         const at::Tensor& seq_lens, const at::Tensor& index, const at::Tensor& mask, double scale,
+                         at::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_conv_commit", &tree_conv_commit, "commit of tree_conv_rows along the accepted paths (CPU, fp32)");
   m.def("tree_scan_commit", &tree_scan_commit, "commit of tree_scan_rows along the accepted paths (CPU, fp32)");
   m.def("tree_conv_rows", &tree_conv_rows, "tree conv of a group of equally shaped trees (CPU, fp32)");
   m.def("tree_scan_rows", &tree_scan_rows, "tree scan of a group of equally shaped trees (CPU, fp32)");
+  m.def("tree_attention_rows", &tree_attention_rows,
+        "attention rows of a group of equally shaped trees over a paged KV cache (CPU, fp32)");
 }
