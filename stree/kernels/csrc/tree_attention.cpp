@@ -22,7 +22,8 @@ void check_cache(const at::Tensor& cache, int64_t ts, int64_t es, const char* na
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kFloat, "stree cpu ops: ", name,
               " must be a float32 CPU tensor");
   TORCH_CHECK(cache.dim() == 4 && ts > 0 && es > 0 && cache.stride(0) >= 0 && cache.stride(1) >= 0,
-              "stree cpu ops: ", name, " must be (blocks, kv_heads, block_size, head_dim) with positive strides");
+              "stree cpu ops: ", name,
+              " must be (blocks, kv_heads, block_size, head_dim) with positive token and channel steps");
   // the last element any block, head, token and channel can reach lies inside the storage
   const int64_t last = (cache.size(0) - 1) * cache.stride(0) + (cache.size(1) - 1) * cache.stride(1) +
                        (cache.size(2) - 1) * ts + (cache.size(3) - 1) * es;
