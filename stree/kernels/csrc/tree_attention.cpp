@@ -80,7 +80,8 @@ void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, c
   const float *q_p = query.data_ptr<float>(), *k_p = key_cache.data_ptr<float>(), *v_p = value_cache.data_ptr<float>();
   float* out_p = out.data_ptr<float>();
   const int64_t sq = query.stride(0), so = out.stride(0);
-  const int64_t k0 = key_cache.stride(0), k1 = key_cache.stride(1), v0 = value_cache.stride(0), v1 = value_cache.stride(1);
+  const int64_t k0 = key_cache.stride(0), k1 = key_cache.stride(1);
+  const int64_t v0 = value_cache.stride(0), v1 = value_cache.stride(1);
   const int64_t group = heads / kv_heads, rows = group * m;  // the query rows that share a KV head
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {
