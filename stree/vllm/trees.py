@@ -287,7 +287,8 @@ class TreeStep:
     def paged(self, metadata) -> list[tuple[TreeGroup, torch.Tensor, torch.Tensor]]:
         """Per tree group of an attention layer's ``metadata``: its requests' block tables
         ``(b, nb)`` and sequence lengths ``(b,)``, int64, as stree's C++ tree attention reads them
-        in place. The same for every layer sharing the metadata: built once."""
+        in place (and :meth:`contexts` builds on). The same for every layer sharing the metadata:
+        built once."""
         key = ("paged", id(metadata.block_table))
         if key not in self._contexts:
             row = {s: r for r, s in enumerate(metadata.query_start_loc.tolist()[:-1])}
@@ -303,19 +304,16 @@ class TreeStep:
         once."""
         key = (id(metadata.block_table), block)
         if key not in self._contexts:
-            row = {s: r for r, s in enumerate(metadata.query_start_loc.tolist()[:-1])}
             out = []
-            for g in self.groups():
-                rows = [row[tr.start] for tr in g.rows]
-                lengths = metadata.seq_lens[rows].long().cpu()
+            for g, table, lengths in self.paged(metadata):
+                table, lengths = table.cpu(), lengths.cpu()
                 m, longest = g.index.shape[1], int(lengths.max())
                 pos = torch.minimum(torch.arange(longest), lengths[:, None] - 1)  # (b, L)
-                table = metadata.block_table[rows].long().cpu()
                 slots = table.gather(1, pos // block) * block + pos % block
                 allowed = torch.arange(longest) < (lengths - m)[:, None]
                 allowed = allowed[:, None, :].repeat(1, m, 1)
                 for r, length in enumerate(lengths.tolist()):
-                    allowed[r, :, length - m:length] = g.tree("cpu").mask[0]
+                    allowed[r, :, length - m:length] = g.ancestors
                 device = metadata.block_table.device
                 out.append(AttentionContext(g, slots.to(device), allowed.to(device)))
             self._contexts[key] = out

@@ -31,6 +31,13 @@ void check_cache(const at::Tensor& cache, int64_t ts, int64_t es, const char* na
   TORCH_CHECK(last < room, "stree cpu ops: ", name, "'s layout reaches past its storage");
 }
 
+// sum over i < n of a[i] * b[i * step] (the layouts whose loops cannot run along contiguous memory)
+inline float strided_dot(const float* __restrict a, const float* b, int64_t step, int64_t n) {
+  float dot = 0.f;
+  for (int64_t i = 0; i < n; ++i) dot += a[i] * b[i * step];
+  return dot;
+}
+
 }  // namespace
 
 // query (tokens, heads, d) with dense rows; key_cache, value_cache (blocks, kv_heads, block_size, d)
@@ -112,15 +119,9 @@ void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, c
             }
           }
         } else {  // token-major (or any other) K: a dot product per token
-          for (int64_t t = 0; t < n; ++t) {
-            const float* kt = kb + t * k_ts;
-            for (int64_t row = 0; row < rows; ++row) {
-              const float* __restrict qr = &q[row * d];
-              float dot = 0.f;
-              for (int64_t e = 0; e < d; ++e) dot += qr[e] * kt[e * k_es];
-              s[row * bs + t] = dot;
-            }
-          }
+          for (int64_t t = 0; t < n; ++t)
+            for (int64_t row = 0; row < rows; ++row)
+              s[row * bs + t] = strided_dot(&q[row * d], kb + t * k_ts, k_es, d);
         }
         // the tree's tokens: node j is seen by the rows of the nodes it is an ancestor of
         for (int64_t t = std::max<int64_t>(0, context - first); t < n; ++t) {
@@ -158,15 +159,8 @@ void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, c
             }
           }
         } else {  // channel-major (or any other) V: a dot product per channel
-          for (int64_t row = 0; row < rows; ++row) {
-            const float* __restrict sr = &s[row * bs];
-            for (int64_t e = 0; e < d; ++e) {
-              const float* ve = vb + e * v_es;
-              float dot = 0.f;
-              for (int64_t t = 0; t < n; ++t) dot += sr[t] * ve[t * v_ts];
-              acc[row * d + e] += dot;
-            }
-          }
+          for (int64_t row = 0; row < rows; ++row)
+            for (int64_t e = 0; e < d; ++e) acc[row * d + e] += strided_dot(&s[row * bs], vb + e * v_es, v_ts, n);
         }
       }
       for (int64_t g = 0; g < group; ++g)
