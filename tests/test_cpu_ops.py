@@ -169,21 +169,29 @@ def _paged(values, tables, blocks, block_size, ts, es):
 
 @pytest.mark.parametrize("channel_major_k", [True, False], ids=["k-channel-major", "k-token-major"])
 @pytest.mark.parametrize("parents", PARENTS[1:])
-def test_tree_attention_rows_match_a_softmax_per_node(cpu_ops, channel_major_k, parents):
+@pytest.mark.parametrize("block_size, d, contexts", [(8, 16, [13, 0, 13]), (83, 88, [150, 0, 160])],
+                         ids=["small", "tiled"])
+def test_tree_attention_rows_match_a_softmax_per_node(cpu_ops, channel_major_k, parents, block_size, d, contexts):
     """Each node against its own softmax over its request's context and its root path, on a paged
     cache laid out as vLLM's CPU backend lays fp32 out (K channel-major, V token-major) and the
-    other way round; requests whose nodes straddle a block, one with no context at all."""
+    other way round; requests whose nodes straddle a block, one with no context at all. "tiled":
+    blocks and heads long enough for the op's register tiles (64 and 16 tokens or channels) and
+    their tails, query rows per KV head not a multiple of the tile's 4 rows (m = 10)."""
     gen = torch.Generator().manual_seed(len(parents))
-    heads, kv_heads, d, block_size, m = 6, 2, 16, 8, len(parents)
-    contexts = [13, 0, 5 + 8]
-    tables = [[4, 0, 6], [2, 9], [7, 1, 3, 5]]
+    heads, kv_heads, m = 6, 2, len(parents)
     lengths = [c + m for c in contexts]
+    order = torch.randperm(sum(-(-n // block_size) for n in lengths) + 2, generator=gen).tolist()
+    tables = []
+    for n in lengths:  # each request's blocks, scattered (two blocks no request holds)
+        tables.append(order[:-(-n // block_size)])
+        order = order[len(tables[-1]):]
     keys = [torch.randn(n, kv_heads, d, generator=gen) for n in lengths]
     values = [torch.randn(n, kv_heads, d, generator=gen) for n in lengths]
     k_strides = (1, block_size) if channel_major_k else (d, 1)
     v_strides = (d, 1) if channel_major_k else (1, block_size)
-    key_cache = _paged(keys, tables, 10, block_size, *k_strides)
-    value_cache = _paged(values, tables, 10, block_size, *v_strides)
+    blocks = len(order) + sum(map(len, tables))
+    key_cache = _paged(keys, tables, blocks, block_size, *k_strides)
+    value_cache = _paged(values, tables, blocks, block_size, *v_strides)
     tokens = 3 * m + 5
     index = _scattered(3, m, tokens, gen)
     query = torch.randn(tokens, heads, d, generator=gen)

@@ -70,5 +70,11 @@ def ops():
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the ops take these tensors (fp32, CPU) and are available."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and ops() is not None
+    """Whether the ops take these tensors (fp32, CPU) and are available (asked about a dozen
+    times per layer and step inside a serving engine: a plain loop, no generator)."""
+    if ops() is None:
+        return False
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True

@@ -38,6 +38,94 @@ inline float strided_dot(const float* __restrict a, const float* b, int64_t step
   return dot;
 }
 
+// Register tiles of the two products that dominate (the rows that share a KV head against one
+// block of its context), for the contiguous layouts (vLLM's fp32 CPU cache: K channel-major, V
+// token-major): R query rows by C vectors of 16 tokens (scores) or 16 channels (weighted values)
+// held in registers across the reduction, so each K or V vector is loaded once for R rows. Plain
+// loops left the sums in memory and ran 3x slower. The other layouts take the strided dot products.
+typedef float Vec __attribute__((vector_size(64), aligned(4)));  // 16 lanes, unaligned loads
+constexpr int64_t kLanes = 16;
+
+inline Vec load(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(Vec));
+  return v;
+}
+
+inline void store(float* p, const Vec& v) { __builtin_memcpy(p, &v, sizeof(Vec)); }
+
+// s[row * ss + t] = sum_e q[row * d + e] * kb[e * k_es + t], rows [row0, row0 + R), tokens [t0, t0 + 16 C)
+template <int R, int C>
+inline void score_tile(const float* q, int64_t row0, int64_t d, const float* kb, int64_t k_es, int64_t t0, float* s,
+                       int64_t ss) {
+  Vec acc[R][C] = {};
+  for (int64_t e = 0; e < d; ++e) {
+    Vec k[C];
+    for (int c = 0; c < C; ++c) k[c] = load(kb + e * k_es + t0 + c * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const float qe = q[(row0 + i) * d + e];
+      for (int c = 0; c < C; ++c) acc[i][c] += qe * k[c];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) store(s + (row0 + i) * ss + t0 + c * kLanes, acc[i][c]);
+}
+
+template <int R>
+void score_rows(const float* q, int64_t row0, int64_t d, const float* kb, int64_t k_es, int64_t n, float* s,
+                int64_t ss) {
+  int64_t t = 0;
+  for (; t + 4 * kLanes <= n; t += 4 * kLanes) score_tile<R, 4>(q, row0, d, kb, k_es, t, s, ss);
+  for (; t + kLanes <= n; t += kLanes) score_tile<R, 1>(q, row0, d, kb, k_es, t, s, ss);
+  for (; t < n; ++t)  // the block's last tokens
+    for (int i = 0; i < R; ++i) s[(row0 + i) * ss + t] = strided_dot(q + (row0 + i) * d, kb + t, k_es, d);
+}
+
+// the scores (rows, n) of one block of a channel-major K (each channel's tokens contiguous)
+void scores_channel_major(const float* q, int64_t rows, int64_t d, const float* kb, int64_t k_es, int64_t n,
+                          float* s, int64_t ss) {
+  int64_t row = 0;
+  for (; row + 4 <= rows; row += 4) score_rows<4>(q, row, d, kb, k_es, n, s, ss);
+  for (; row < rows; ++row) score_rows<1>(q, row, d, kb, k_es, n, s, ss);
+}
+
+// acc[row * d + e] += sum_t s[row * ss + t] * vb[t * v_ts + e], rows [row0, row0 + R), channels [e0, e0 + 16 C)
+template <int R, int C>
+inline void value_tile(const float* s, int64_t ss, int64_t row0, const float* vb, int64_t v_ts, int64_t n, int64_t d,
+                       int64_t e0, float* acc) {
+  Vec sum[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) sum[i][c] = load(acc + (row0 + i) * d + e0 + c * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    Vec v[C];
+    for (int c = 0; c < C; ++c) v[c] = load(vb + t * v_ts + e0 + c * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const float p = s[(row0 + i) * ss + t];
+      for (int c = 0; c < C; ++c) sum[i][c] += p * v[c];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) store(acc + (row0 + i) * d + e0 + c * kLanes, sum[i][c]);
+}
+
+template <int R>
+void value_rows(const float* s, int64_t ss, int64_t row0, const float* vb, int64_t v_ts, int64_t n, int64_t d,
+                float* acc) {
+  int64_t e = 0;
+  for (; e + 4 * kLanes <= d; e += 4 * kLanes) value_tile<R, 4>(s, ss, row0, vb, v_ts, n, d, e, acc);
+  for (; e + kLanes <= d; e += kLanes) value_tile<R, 1>(s, ss, row0, vb, v_ts, n, d, e, acc);
+  for (; e < d; ++e)  // channels past the last full vector
+    for (int i = 0; i < R; ++i) acc[(row0 + i) * d + e] += strided_dot(s + (row0 + i) * ss, vb + e, v_ts, n);
+}
+
+// acc (rows, d) += the block's weighted values, V token-major (each token's channels contiguous)
+void values_token_major(const float* s, int64_t ss, int64_t rows, const float* vb, int64_t v_ts, int64_t n,
+                        int64_t d, float* acc) {
+  int64_t row = 0;
+  for (; row + 4 <= rows; row += 4) value_rows<4>(s, ss, row, vb, v_ts, n, d, acc);
+  for (; row < rows; ++row) value_rows<1>(s, ss, row, vb, v_ts, n, d, acc);
+}
+
 }  // namespace
 
 // query (tokens, heads, d) with dense rows; key_cache, value_cache (blocks, kv_heads, block_size, d)
@@ -109,15 +197,7 @@ void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, c
         const float* vb = v_p + table_p[r * nb + blk] * v0 + kh * v1;
         // scores (rows, n) of this block, laid out with row stride bs
         if (k_ts == 1) {  // channel-major K: each channel's n tokens contiguous
-          for (int64_t row = 0; row < rows; ++row) std::fill_n(&s[row * bs], n, 0.f);
-          for (int64_t e = 0; e < d; ++e) {
-            const float* __restrict kc = kb + e * k_es;
-            for (int64_t row = 0; row < rows; ++row) {
-              const float qe = q[row * d + e];
-              float* __restrict sr = &s[row * bs];
-              for (int64_t t = 0; t < n; ++t) sr[t] += qe * kc[t];
-            }
-          }
+          scores_channel_major(q.data(), rows, d, kb, k_es, n, s.data(), bs);
         } else {  // token-major (or any other) K: a dot product per token
           for (int64_t t = 0; t < n; ++t)
             for (int64_t row = 0; row < rows; ++row)
@@ -150,14 +230,7 @@ void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, c
           for (int64_t e = 0; e < d; ++e) ar[e] *= shrink;
         }
         if (v_es == 1) {  // token-major V: each token's channels contiguous
-          for (int64_t t = 0; t < n; ++t) {
-            const float* __restrict vt = vb + t * v_ts;
-            for (int64_t row = 0; row < rows; ++row) {
-              const float p = s[row * bs + t];
-              float* __restrict ar = &acc[row * d];
-              for (int64_t e = 0; e < d; ++e) ar[e] += p * vt[e];
-            }
-          }
+          values_token_major(s.data(), bs, rows, vb, v_ts, n, d, acc.data());
         } else {  // channel-major (or any other) V: a dot product per channel
           for (int64_t row = 0; row < rows; ++row)
             for (int64_t e = 0; e < d; ++e) acc[row * d + e] += strided_dot(&s[row * bs], vb + e * v_es, v_ts, n);
