@@ -7,6 +7,7 @@
 * ``bench/prepack.py`` on the same tiny pair: per-shape linear timings, both variants end to end
   and the crossover's decoding steps.
 * ``bench/vllm.py``'s split of methods into engines (its runs need the vLLM environment).
+* ``bench/cpu_ops.py``: every op and tree, the attention op checked against its eager baseline.
 """
 import csv
 import gzip
@@ -26,6 +27,7 @@ pytest.importorskip("tokenizers")
 e2e = importlib.import_module("e2e")
 model_verify = importlib.import_module("model_verify")
 prepack = importlib.import_module("prepack")
+cpu_ops_bench = importlib.import_module("cpu_ops")
 replot = importlib.import_module("replot")
 
 from models import data  # noqa: E402
@@ -114,6 +116,17 @@ def test_prepack_smoke(tmp_path):
     e2e_rows = [(r["variant"], r["method"]) for r in rows if r["kind"] == "e2e"]
     assert e2e_rows == [(v, m) for v in ("plain", "prepacked") for m, _, _ in prepack.METHODS]
     assert all(r["identical_texts"] and r["prompts"] == 2 for r in rows if r["kind"] == "e2e")
+
+
+def test_cpu_ops_smoke(tmp_path):
+    if cpu_ops_bench.ops() is None:
+        pytest.skip("stree's C++ CPU ops did not build here")
+    out = tmp_path / "results"
+    assert cpu_ops_bench.main(["--calls", "3", "--out", str(out)]) == 0  # asserts the same math inside
+    rows = read_rows(out, "cpu_ops_*.json")
+    ops = sorted({(r["op"], r["tree"], r["context"]) for r in rows})
+    assert len(ops) == len(rows) == 2 * (2 + len(cpu_ops_bench.CONTEXTS))
+    assert all(r["us"] > 0 for r in rows) and all(r["eager_us"] > 0 for r in rows if r["op"] == "tree_attention_rows")
 
 
 def test_method_specs():
