@@ -84,7 +84,7 @@ def forward_cost(model, *, sizes=SIZES, reps: int = 3, use_cache: bool = True,
     best = []
     with torch.inference_mode():
         cache = model.allocate_tree_cache(1, PREFIX + max(sizes) + 1)
-        model.prefill(torch.zeros(1, PREFIX, dtype=torch.long, device=device), cache)
+        model.prefill(torch.zeros(1, PREFIX, dtype=torch.long, device=device), cache, logits=False)
         for n in sizes:
             tree = TokenTree.chain(torch.zeros(1, n, dtype=torch.long, device=device))
             model.tree_forward(tree, cache)  # warm-up (kernels, allocator)

@@ -325,8 +325,9 @@ class _DraftSide:
         self.takes_lead = False  # whether drafts take a lead (set by draft: it depends on the sampling)
 
     def prefill(self, prompts: list[Tensor]) -> None:
-        if self.model is not None:
-            _prefill(self.model, self.cache, prompts)
+        if self.model is not None:  # the draft's state only: its logits are not read
+            ragged = len({len(p) for p in prompts}) > 1
+            self.model.prefill(list(prompts) if ragged else torch.stack(prompts), self.cache, logits=False)
         if self.drafter.reads_context:
             self.drafter.start([p.tolist() for p in prompts])
 
@@ -380,13 +381,13 @@ class _DraftSide:
         rows = self.backlog
         device = self.cache.lengths.device
         if len({len(r) for r in rows}) == 1:
-            self.model.prefill(torch.tensor(rows, device=device), self.cache)
+            self.model.prefill(torch.tensor(rows, device=device), self.cache, logits=False)
         else:
             self.cache.reserve([len(r) for r in rows])  # grow once, before the row views
             for b, r in enumerate(rows):
                 if r:
                     row = self.cache.row(b)
-                    self.model.prefill(torch.tensor([r], device=device), row)
+                    self.model.prefill(torch.tensor([r], device=device), row, logits=False)
                     self.cache.seqlens[b] = row.seqlens[0]
         self.stats.draft_calls += 1
         self.backlog = [[] for _ in rows]

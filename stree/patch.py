@@ -54,13 +54,17 @@ class TreeDecodingMixin:
         return StatePool(layers, max_seqlen, capacity)
 
     @torch.inference_mode()
-    def prefill(self, input_ids, cache: TreeCache) -> torch.Tensor:
+    def prefill(self, input_ids, cache: TreeCache, logits: bool = True) -> torch.Tensor | None:
         """Run prompts through the model from the committed state and commit them.
 
         Args:
             input_ids: ``(b, l)`` tensor, or a list of ``b`` 1-D tensors of different lengths.
+            logits: False to only commit (a draft catching up): the head is not run (for the
+                shipped draft's 150-token prompt the head, its fp32 copy and the list's padding
+                were half of a 7.8 ms prefill).
         Returns:
-            logits ``(b, l, vocab)`` (for a list: ``(b, max_l, vocab)``, right-padded with NaN).
+            logits ``(b, l, vocab)`` (for a list: ``(b, max_l, vocab)``, right-padded with NaN);
+            None with ``logits=False``.
         """
         if cache.pending is not None:
             cache.pending = None  # an uncommitted tree is abandoned
@@ -69,14 +73,17 @@ class TreeDecodingMixin:
             if len(rows) != cache.batch_size:
                 raise ValueError(f"{len(rows)} prompts for a cache of batch size {cache.batch_size}")
             cache.reserve([len(r) for r in rows])  # grow once for the longest row, before the views
-            outs = []
+            out = None
             for b, r in enumerate(rows):
                 row = cache.row(b)
-                outs.append(self.prefill(r[None], row)[0])
+                row_logits = self.prefill(r[None], row, logits=logits)
                 cache.seqlens[b] = row.seqlens[0]
-            width = max(o.shape[0] for o in outs)
-            return torch.stack([torch.cat([o, o.new_full((width - o.shape[0], o.shape[1]), float("nan"))])
-                                for o in outs])
+                if logits:
+                    if out is None:  # one right-padded output, each row copied in once
+                        out = row_logits.new_full((len(rows), max(map(len, rows)), row_logits.shape[-1]),
+                                                  float("nan"))
+                    out[b, :len(r)] = row_logits[0]
+            return out
         input_ids = _check_ids(self, input_ids, cache)
         if len(set(cache.seqlens)) != 1:
             raise ValueError("prefill of a (b, l) tensor needs rows with equal committed lengths; "
@@ -91,10 +98,10 @@ class TreeDecodingMixin:
                 return mamba2.prefill(mixer, h, state)
             return attention.prefill(attention.view(mixer), h, state, cache.seqlens[0])
 
-        logits = walk(self, input_ids, run)
+        out = walk(self, input_ids, run, head=logits)
         cache.store(states)
         cache.advance([input_ids.shape[1]] * cache.batch_size)
-        return logits
+        return out
 
     @torch.inference_mode()
     def tree_forward(self, tree: TokenTree, cache: TreeCache, impl: str = "auto") -> torch.Tensor:

@@ -27,16 +27,18 @@ def mixers(model):
                     f"transformers' {', '.join(hf.SUPPORTED)}, not {type(model).__name__}")
 
 
-def walk(model, input_ids, run_mixer):
-    """Run the model's layers with each sequence mixer replaced by ``run_mixer(idx, mixer, h)``."""
+def walk(model, input_ids, run_mixer, head: bool = True):
+    """Run the model's layers with each sequence mixer replaced by ``run_mixer(idx, mixer, h)``:
+    the logits ``(b, l, v)`` fp32, or with ``head=False`` None (the layers run for what the
+    mixer calls keep; the final norm and the head do not)."""
     if isinstance(model, MambaLMHeadModel):
-        return _walk_mamba_lm(model, input_ids, run_mixer)
+        return _walk_mamba_lm(model, input_ids, run_mixer, head)
     if hasattr(model, "stree_walk"):
-        return model.stree_walk(input_ids, run_mixer)
-    return hf.family(model).stree_walk(input_ids, run_mixer)
+        return model.stree_walk(input_ids, run_mixer, head)
+    return hf.family(model).stree_walk(input_ids, run_mixer, head)
 
 
-def _walk_mamba_lm(model, input_ids, run_mixer):
+def _walk_mamba_lm(model, input_ids, run_mixer, head: bool):
     """mamba_ssm's MixerModel/Block forward (Add -> Norm -> Mixer [-> Add -> Norm -> MLP])."""
     bb = model.backbone
     h = bb.embedding(input_ids)
@@ -47,6 +49,8 @@ def _walk_mamba_lm(model, input_ids, run_mixer):
         if blk.mlp is not None:
             h, residual = _add_norm(h, residual, blk.norm2, blk.residual_in_fp32)
             h = blk.mlp(h)
+    if not head:
+        return None
     h, _ = _add_norm(h, residual, bb.norm_f, bb.residual_in_fp32 if hasattr(bb, "residual_in_fp32") else False)
     return model.lm_head(h).float()
 

@@ -110,12 +110,15 @@ class FakeLM:
         last = cache.tokens.gather(1, idx[:, None])[:, 0]
         return torch.where(cache.lengths > 0, last, self.vocab_size)
 
-    def prefill(self, input_ids, cache: FakeCache) -> torch.Tensor:
-        """(b, l) tensor, or a list of 1-D tensors (ragged: logits right-padded with NaN)."""
+    def prefill(self, input_ids, cache: FakeCache, logits: bool = True) -> torch.Tensor | None:
+        """(b, l) tensor, or a list of 1-D tensors (ragged: logits right-padded with NaN); None
+        with ``logits=False`` (the call is recorded the same)."""
         cache.pending = None
         if isinstance(input_ids, (list, tuple)):
             outs = [self.prefill(torch.as_tensor(r).view(1, -1), cache.row(b))[0]
                     for b, r in enumerate(input_ids)]
+            if not logits:
+                return None
             width = max(o.shape[0] for o in outs)
             return torch.stack([torch.cat([o, o.new_full((width - len(o), self.vocab_size), float("nan"))])
                                 for o in outs])
@@ -125,10 +128,10 @@ class FakeLM:
         cache.reserve(ids.shape[1])
         self.calls.append(Call("prefill", ids.clone(), committed=cache.seqlens))
         prev = torch.cat([self._last(cache)[:, None], ids[:, :-1]], dim=1)
-        logits = self.table[prev, ids]
+        out = self.table[prev, ids]
         for b in range(ids.shape[0]):
             cache.append(b, ids[b].tolist())
-        return logits
+        return out if logits else None
 
     def tree_forward(self, tree: TokenTree, cache: FakeCache) -> torch.Tensor:
         """(b, n, v) logits; committed state untouched; the tree becomes pending."""

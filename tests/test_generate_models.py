@@ -174,7 +174,8 @@ def test_a_greedy_static_draft_runs_what_it_is_behind_as_its_lead(monkeypatch, t
     monkeypatch.setattr(draft, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
         lead) or draft_levels(tokens, cache, levels, pick, lead))
     monkeypatch.setattr(draft, "level_forward", lambda *a, **k: pytest.fail("a level ran outside a draft"))
-    monkeypatch.setattr(draft, "prefill", lambda ids, cache: prefills.append(len(leads)) or prefill(ids, cache))
+    monkeypatch.setattr(draft, "prefill",
+                        lambda ids, cache, **kw: prefills.append(len(leads)) or prefill(ids, cache, **kw))
     out = stree.generate(target, draft, PROMPTS, N_NEW, drafter=drafter)
     assert new_tokens(out) == mamba_reference
     ran = [lead for lead in leads if lead is not None]

@@ -103,7 +103,7 @@ def test_positions_follow_depth_not_packing_order():
     cache = model.allocate_tree_cache(1, 64)
     oracle = StepOracle(model)
     prompt = [3, 1, 4, 1, 5, 9, 2]
-    model.prefill(torch.tensor([prompt]), cache)
+    assert model.prefill(torch.tensor([prompt]), cache, logits=False) is None  # commits only
     oracle.feed(prompt)
     tree = TokenTree(torch.tensor([7] + list(range(10, 22))), [-1] + [0] * 12)
     close(model.tree_forward(tree, cache)[0], oracle.node_logits(tree), "star leaves")
@@ -114,10 +114,11 @@ def test_batch_of_two_with_ragged_prompts():
     model = stree.patch(make_hybrid((1,), seed=5))
     cache = model.allocate_tree_cache(2, 64)
     prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in (2, 9)]
-    model.prefill([torch.tensor(p) for p in prompts], cache)
+    prefill = model.prefill([torch.tensor(p) for p in prompts], cache)
     oracles = [StepOracle(model) for _ in prompts]
-    for o, p in zip(oracles, prompts):
-        o.feed(p)
+    for r, (o, p) in enumerate(zip(oracles, prompts)):  # each row's logits, then NaN padding
+        close(prefill[r, :len(p)], o.feed(p), f"row {r} prefill logits")
+        assert prefill[r, len(p):].isnan().all()
     for _ in range(2):
         parents = torch.tensor([[-1, 0, 0, 1, 3, 2], [-1, 0, 1, 2, 0, 4]])
         tree = TokenTree(torch.randint(0, VOCAB, (2, 6)), parents)

@@ -167,7 +167,7 @@ def test_batch_rows_with_different_trees_prompts_and_paths():
     model = stree.patch(make_model(seed=5, attn_layer_idx=(1,)))
     cache = model.allocate_tree_cache(2, 64)
     prompts = [torch.tensor([rng.randrange(61) for _ in range(n)]) for n in (3, 7)]
-    model.prefill(prompts, cache)
+    assert model.prefill(prompts, cache, logits=False) is None  # commits only: the states below
     decs = [SequentialDecoder(model) for _ in prompts]
     for d, p in zip(decs, prompts):
         d.feed(p)

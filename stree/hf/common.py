@@ -140,9 +140,11 @@ class Family:
         lm = self.model.lm_head
         return lm(h.to(lm.weight.dtype)).float()
 
-    def stree_walk(self, input_ids: torch.Tensor, run_mixer) -> torch.Tensor:
-        """Logits ``(b, l, v)`` fp32 with every mixer call replaced by ``run_mixer(idx, view, h)``."""
-        return self.logits(self.hidden(input_ids, lambda i, h: run_mixer(i, self.mixers[i], h)))
+    def stree_walk(self, input_ids: torch.Tensor, run_mixer, head: bool = True) -> torch.Tensor | None:
+        """Logits ``(b, l, v)`` fp32 with every mixer call replaced by ``run_mixer(idx, view, h)``;
+        None with ``head=False`` (the head is not run)."""
+        h = self.hidden(input_ids, lambda i, h: run_mixer(i, self.mixers[i], h))
+        return self.logits(h) if head else None
 
 
 def layer_name(model, idx: int, kind: str) -> str:

@@ -180,10 +180,12 @@ class MambaInLlamaForCausalLM(nn.Module):
         """``[(layer index, sequence mixer)]``."""
         return [(i, layer.mixer) for i, layer in enumerate(self.model.layers)]
 
-    def stree_walk(self, input_ids: torch.Tensor, run_mixer) -> torch.Tensor:
+    def stree_walk(self, input_ids: torch.Tensor, run_mixer, head: bool = True) -> torch.Tensor | None:
         """Logits (b, l, v) fp32 of ``input_ids (b, l)`` with every mixer call replaced by
-        ``run_mixer(layer index, mixer, normed hidden states (b, l, d)) -> (b, l, d)``."""
-        return self.lm_head(self.model(input_ids, lambda i, layer, h: run_mixer(i, layer.mixer, h))).float()
+        ``run_mixer(layer index, mixer, normed hidden states (b, l, d)) -> (b, l, d)``; None with
+        ``head=False`` (the head is not run)."""
+        h = self.model(input_ids, lambda i, layer, h: run_mixer(i, layer.mixer, h))
+        return self.lm_head(h).float() if head else None
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None,
                                  device: torch.device | str | None = None) -> InferenceCache:

@@ -220,7 +220,7 @@ class StreeProposer:
             for size in sorted(self.compiled_sizes):  # a run of slots (views of the pool) and scattered slots
                 for slots in {tuple(range(size)), tuple(range(size))[::-1]}:
                     cache = self.pool.cache(list(slots))
-                    self.model.prefill(torch.zeros(size, 2, dtype=torch.long), cache)
+                    self.model.prefill(torch.zeros(size, 2, dtype=torch.long), cache, logits=False)
                     drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY)
                     if self.takes_lead[True]:
                         drafter.draft(self.model, cache, torch.zeros(size, dtype=torch.long), GREEDY,
@@ -353,7 +353,7 @@ class StreeProposer:
             elif width <= CHAIN_WIDTHS[-1] and self.sizes is not None and len(behind) in self.compiled_sizes:
                 self._chain(cache, todo)
             else:
-                self.model.prefill([torch.tensor(t) for t in todo], cache)
+                self.model.prefill([torch.tensor(t) for t in todo], cache, logits=False)
             for row in behind:
                 row.history = committed[row.rid]
         return leads

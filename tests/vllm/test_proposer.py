@@ -255,7 +255,7 @@ def test_tokens_behind_run_as_the_next_drafts_lead_drafting_what_a_fresh_prefill
     monkeypatch.setattr(drafting.model, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
         None if lead is None else tuple(lead.shape)) or draft_levels(tokens, cache, levels, pick, lead))
     monkeypatch.setattr(drafting.model, "prefill",
-                        lambda ids, cache: prefills.append(len(leads)) or prefill(ids, cache))
+                        lambda ids, cache, **kw: prefills.append(len(leads)) or prefill(ids, cache, **kw))
     for name in ("_one_token", "_chain"):
         monkeypatch.setattr(drafting, name, lambda *a: pytest.fail("caught up outside the draft"))
     history = [0, 5, 17, 33, 80, 100]
