@@ -30,7 +30,7 @@ def mixers(model):
 def walk(model, input_ids, run_mixer, head: bool = True):
     """Run the model's layers with each sequence mixer replaced by ``run_mixer(idx, mixer, h)``:
     the logits ``(b, l, v)`` fp32, or with ``head=False`` None (the layers run for what the
-    mixer calls keep; the final norm and the head do not)."""
+    mixer calls keep, the head does not)."""
     if isinstance(model, MambaLMHeadModel):
         return _walk_mamba_lm(model, input_ids, run_mixer, head)
     if hasattr(model, "stree_walk"):

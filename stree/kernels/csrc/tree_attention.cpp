@@ -41,8 +41,9 @@ inline float strided_dot(const float* __restrict a, const float* b, int64_t step
 // Register tiles of the two products that dominate (the rows that share a KV head against one
 // block of its context), for the contiguous layouts (vLLM's fp32 CPU cache: K channel-major, V
 // token-major): R query rows by C vectors of 16 tokens (scores) or 16 channels (weighted values)
-// held in registers across the reduction, so each K or V vector is loaded once for R rows. Plain
-// loops left the sums in memory and ran 3x slower. The other layouts take the strided dot products.
+// held in registers across the reduction, so each K or V vector is loaded once for R rows (plain
+// loops left the sums in memory: 2.3-3.4x slower a call, bench/cpu_ops.py). The other layouts,
+// and the tails, take the strided dot products.
 typedef float Vec __attribute__((vector_size(64), aligned(4)));  // 16 lanes, unaligned loads
 constexpr int64_t kLanes = 16;
 
