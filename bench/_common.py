@@ -128,6 +128,20 @@ def host_sync(fn) -> str | None:
     return None
 
 
+def best_us(fn, calls: int = 200, repeats: int = 5, warmup: int = 20) -> float:
+    """Microseconds per call of a host-side ``fn``: the best of ``repeats`` timed runs of
+    ``calls`` calls each, after ``warmup`` calls (at most ``calls``)."""
+    for _ in range(min(warmup, calls)):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
 def time_fn(fn, device, warmup: int, repeats: int, inner: int, graphs: bool):
     """Median seconds per call of ``fn`` and whether a CUDA graph was replayed.
 

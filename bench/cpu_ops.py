@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
+from bench._common import RESULTS, best_us, metadata, result_stem, write_rows  # noqa: E402
 from stree.kernels.cpu_ops import ops  # noqa: E402
 from stree.tree import TokenTree  # noqa: E402
 
@@ -38,19 +37,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 128  # the shipped target's attenti
 SSM_HEADS, SSM_STATE, GROUPS, WIDTH = 6, 64, 6, 4  # its Mamba2 layers (d_inner 384, ngroups 6)
 
 
-CALLS = 500  # per timed repeat (``--calls``)
-
-
-def _best_us(fn, calls: int, repeats: int = 5) -> float:
-    for _ in range(min(50, calls)):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    return best
+CALLS = 500  # per timed repeat (``--calls``), best of 5 repeats
 
 
 def _mamba_rows(module, parents: list[int], calls: int) -> list[dict]:
@@ -62,7 +49,7 @@ def _mamba_rows(module, parents: list[int], calls: int) -> list[dict]:
     conv_state = torch.randn(4, conv_dim, WIDTH - 1 + 16)
     weight, bias = torch.randn(conv_dim, WIDTH), torch.randn(conv_dim)
     window0, out = tree.conv_window(WIDTH)[0].contiguous(), torch.empty_like(x)
-    conv = _best_us(lambda: module.tree_conv_rows(x, conv_state, torch.tensor([1]), torch.tensor([0]), index, window0,
+    conv = best_us(lambda: module.tree_conv_rows(x, conv_state, torch.tensor([1]), torch.tensor([0]), index, window0,
                                                   weight, bias, True, out), calls)
     xs, B, C = torch.split(torch.randn(n, conv_dim), [SSM_HEADS * HEAD_DIM, GROUPS * SSM_STATE, GROUPS * SSM_STATE], -1)
     xs, B, C = xs.view(n, SSM_HEADS, HEAD_DIM), B.view(n, GROUPS, SSM_STATE), C.view(n, GROUPS, SSM_STATE)
@@ -70,7 +57,7 @@ def _mamba_rows(module, parents: list[int], calls: int) -> list[dict]:
     D, dt_bias = torch.randn(SSM_HEADS), torch.randn(SSM_HEADS)
     ssm_state, y = torch.randn(4, SSM_HEADS, HEAD_DIM, SSM_STATE), torch.empty(n, SSM_HEADS, HEAD_DIM)
     par = torch.tensor(parents)
-    scan = _best_us(lambda: module.tree_scan_rows(xs, dt, B, C, ssm_state, torch.tensor([1]), index, par, A, D,
+    scan = best_us(lambda: module.tree_scan_rows(xs, dt, B, C, ssm_state, torch.tensor([1]), index, par, A, D,
                                                   dt_bias, y), calls)
     return [dict(op="tree_conv_rows", nodes=n, context=None, us=conv),
             dict(op="tree_scan_rows", nodes=n, context=None, us=scan)]
@@ -90,7 +77,7 @@ def _attention_rows(module, parents: list[int], context: int, calls: int) -> lis
     lengths, index = torch.tensor([length]), torch.arange(n)[None]
     query, out = torch.randn(n, HEADS, HEAD_DIM), torch.empty(n, HEADS, HEAD_DIM)
     scale = HEAD_DIM ** -0.5
-    op = _best_us(lambda: module.tree_attention_rows(query, k_cache, v_cache, 1, BLOCK, HEAD_DIM, 1, table, lengths,
+    op = best_us(lambda: module.tree_attention_rows(query, k_cache, v_cache, 1, BLOCK, HEAD_DIM, 1, table, lengths,
                                                      index, mask, scale, out), calls)
     allowed = torch.ones(n, length, dtype=torch.bool)
     allowed[:, context:] = mask
@@ -110,7 +97,7 @@ def _attention_rows(module, parents: list[int], context: int, calls: int) -> lis
                                               scale=scale, enable_gqa=True)
 
     torch.testing.assert_close(gathered()[0].transpose(0, 1), out, rtol=1e-4, atol=1e-4)  # same math
-    eager = _best_us(gathered, calls)
+    eager = best_us(gathered, calls)
     return [dict(op="tree_attention_rows", nodes=n, context=context, us=op, eager_us=eager)]
 
 

@@ -30,22 +30,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
+from bench._common import RESULTS, best_us, metadata, result_stem, write_rows  # noqa: E402
 
 METHODS = (("ar", "ar", None), ("chain:4", "chain", "chain:4"),
            ("tree:static:2,2,2,2", "tree", "static:2,2,2,2"))
-
-
-def _best_us(fn, calls: int = 200, repeats: int = 5) -> float:
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    return best
 
 
 def linear_rows(models) -> list[dict]:
@@ -58,8 +46,8 @@ def linear_rows(models) -> list[dict]:
         for n in (1, 2, 5, 9, 13):
             x = torch.randn(n, in_f)
             rows.append(dict(kind="linear", shape=f"{out_f}x{in_f}", rows=n,
-                             f_linear_us=_best_us(lambda: F.linear(x, w)),
-                             packed_us=_best_us(lambda: torch.ops.mkldnn._linear_pointwise(
+                             f_linear_us=best_us(lambda: F.linear(x, w)),
+                             packed_us=best_us(lambda: torch.ops.mkldnn._linear_pointwise(
                                  x, packed, None, "none", [], ""))))
     return rows
 
