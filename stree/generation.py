@@ -326,8 +326,7 @@ class _DraftSide:
 
     def prefill(self, prompts: list[Tensor]) -> None:
         if self.model is not None:  # the draft's state only: its logits are not read
-            ragged = len({len(p) for p in prompts}) > 1
-            self.model.prefill(list(prompts) if ragged else torch.stack(prompts), self.cache, logits=False)
+            _prefill(self.model, self.cache, prompts, logits=False)
         if self.drafter.reads_context:
             self.drafter.start([p.tolist() for p in prompts])
 
@@ -475,13 +474,15 @@ class _UnrolledTarget:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _prefill(model, cache, prompts: list[Tensor]) -> Tensor:
-    """Prefill and commit every prompt; returns the last position's logits ``(b, v)``."""
+def _prefill(model, cache, prompts: list[Tensor], logits: bool = True) -> Tensor | None:
+    """Prefill and commit every prompt; returns the last position's logits ``(b, v)`` (None with
+    ``logits=False``: the head is not run)."""
     lengths = [len(p) for p in prompts]
-    if len(set(lengths)) == 1:
-        return model.prefill(torch.stack(prompts), cache)[:, -1]
-    logits = model.prefill(list(prompts), cache)  # ragged: rows prefilled separately
-    return logits[torch.arange(len(prompts)), torch.tensor(lengths) - 1]
+    ragged = len(set(lengths)) > 1  # then rows are prefilled separately
+    out = model.prefill(list(prompts) if ragged else torch.stack(prompts), cache, logits=logits)
+    if out is None:
+        return None
+    return out[torch.arange(len(prompts)), torch.tensor(lengths) - 1]
 
 
 def _pack(prompts, new, pad: int, stats) -> GenerationOutput:

@@ -119,9 +119,7 @@ def test_prepack_smoke(tmp_path):
 
 
 def test_cpu_ops_smoke(tmp_path):
-    if cpu_ops_bench.ops() is None:
-        pytest.skip("stree's C++ CPU ops did not build here")
-    out = tmp_path / "results"
+    out = tmp_path / "results"  # the ops must build here (as tests/test_cpu_ops.py requires)
     assert cpu_ops_bench.main(["--calls", "3", "--out", str(out)]) == 0  # asserts the same math inside
     rows = read_rows(out, "cpu_ops_*.json")
     ops = sorted({(r["op"], r["tree"], r["context"]) for r in rows})

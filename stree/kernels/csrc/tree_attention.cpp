@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -82,12 +83,18 @@ void score_rows(const float* q, int64_t row0, int64_t d, const float* kb, int64_
     for (int i = 0; i < R; ++i) s[(row0 + i) * ss + t] = strided_dot(q + (row0 + i) * d, kb + t, k_es, d);
 }
 
+// tile(rows per tile, first row) over [0, rows): tiles of 4 rows, then the last rows one by one
+template <typename Tile>
+inline void over_row_tiles(int64_t rows, Tile tile) {
+  int64_t row = 0;
+  for (; row + 4 <= rows; row += 4) tile(std::integral_constant<int, 4>{}, row);
+  for (; row < rows; ++row) tile(std::integral_constant<int, 1>{}, row);
+}
+
 // the scores (rows, n) of one block of a channel-major K (each channel's tokens contiguous)
 void scores_channel_major(const float* q, int64_t rows, int64_t d, const float* kb, int64_t k_es, int64_t n,
                           float* s, int64_t ss) {
-  int64_t row = 0;
-  for (; row + 4 <= rows; row += 4) score_rows<4>(q, row, d, kb, k_es, n, s, ss);
-  for (; row < rows; ++row) score_rows<1>(q, row, d, kb, k_es, n, s, ss);
+  over_row_tiles(rows, [&](auto r, int64_t row) { score_rows<decltype(r)::value>(q, row, d, kb, k_es, n, s, ss); });
 }
 
 // acc[row * d + e] += sum_t s[row * ss + t] * vb[t * v_ts + e], rows [row0, row0 + R), channels [e0, e0 + 16 C)
@@ -122,9 +129,7 @@ void value_rows(const float* s, int64_t ss, int64_t row0, const float* vb, int64
 // acc (rows, d) += the block's weighted values, V token-major (each token's channels contiguous)
 void values_token_major(const float* s, int64_t ss, int64_t rows, const float* vb, int64_t v_ts, int64_t n,
                         int64_t d, float* acc) {
-  int64_t row = 0;
-  for (; row + 4 <= rows; row += 4) value_rows<4>(s, ss, row, vb, v_ts, n, d, acc);
-  for (; row < rows; ++row) value_rows<1>(s, ss, row, vb, v_ts, n, d, acc);
+  over_row_tiles(rows, [&](auto r, int64_t row) { value_rows<decltype(r)::value>(s, ss, row, vb, v_ts, n, d, acc); });
 }
 
 }  // namespace
