@@ -18,7 +18,12 @@ and mean per-request latency. Engines run in vLLM's default mode, which compiles
 on this CPU than ``--enforce-eager``, which reproduces eager runs. Sampled requests carry no seed
 of their own (the engine is seeded), as a serving client's would not. At T = 0 each method's tokens
 are compared with vLLM's own decoding ("exact"). Methods run one after another in the same process
-tree, so compare them within one run; run it on a quiet machine. Results go to
+tree, so compare them within one run; run it on a quiet machine. The machine's speed drifts between
+runs a few minutes apart (cells of one commit moved by 15% on the project's VM): ``--rounds R``
+runs the whole list of methods R times in turn, each round's speedups against that round's vLLM
+decoding, and prints each cell's median and range (every round's rows are kept, with their
+``round``). Engines run as vLLM's ``LLM`` runs them by default: the engine core in a process of its
+own, the model in a worker process (vLLM's CPU executor). Results go to
 ``bench/results/vllm_<device>_<date>.{csv,json}``.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -108,6 +114,42 @@ def _engine(args) -> None:
     print(MARK + json.dumps(cells), flush=True)
 
 
+def _run_method(args, env, prompts, method) -> list[dict] | None:
+    """Every (temperature, batch) cell of ``method`` on ``prompts``, each engine a child process
+    (one per cell for methods that read earlier outputs); None if a child failed."""
+    spec_config = METHODS[method] and json.loads(json.dumps(METHODS[method]).replace("{draft}", args.draft))
+    all_cells = [[t, b] for t in args.temperatures for b in args.batches]
+    cells = []
+    for group in ([[c] for c in all_cells] if _reads_outputs(spec_config) else [all_cells]):
+        child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
+                     enforce_eager=args.enforce_eager, cells=group, max_new_tokens=args.max_new_tokens)
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr[-20000:])
+            return None
+        cells += json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)][-1][len(MARK):])
+    return cells
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (prompts, method, temperature, batch): the median, lowest and highest speedup over the
+    rounds (each against its own round's vLLM decoding), the median tau, and whether every
+    round was exact (None where not checked)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["prompts"], r["method"], r["temperature"], r["batch"]), []).append(r)
+    out = []
+    for (prompts, method, temperature, batch), rs in groups.items():
+        speedups = [r["speedup"] for r in rs]
+        checked = [r["exact"] for r in rs if r["exact"] is not None]
+        out.append(dict(prompts=prompts, method=method, temperature=temperature, batch=batch, rounds=len(rs),
+                        speedup_median=statistics.median(speedups), speedup_min=min(speedups),
+                        speedup_max=max(speedups), tau_median=statistics.median(r["tau"] for r in rs),
+                        exact=all(checked) if checked else None))
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,10 +164,15 @@ def main(argv=None) -> int:
                         default=["ar", "stree-chain", "stree-tree", "stree-tree-every", "ngram", "stree-suffix",
                                  "stree-suffix-every", "stree-merged"],
                         choices=list(METHODS), help="vllm-suffix needs the arctic-inference package")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method this many times in turn, each round against its own vLLM "
+                             "decoding, and print each cell's median speedup (the machine drifts between runs)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (no torch.compile)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.child:
         _engine(args)
         return 0
@@ -137,39 +184,38 @@ def main(argv=None) -> int:
     meta = metadata("cpu")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rows = []
-    for name in args.prompts:
-        prompts = load_prompts(name, args.limit)
-        reference = None
-        for method in args.methods:
-            spec_config = METHODS[method] and json.loads(json.dumps(METHODS[method]).replace("{draft}", args.draft))
-            all_cells = [[t, b] for t in args.temperatures for b in args.batches]
-            cells = []
-            for group in ([[c] for c in all_cells] if _reads_outputs(spec_config) else [all_cells]):
-                child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
-                             enforce_eager=args.enforce_eager, cells=group, max_new_tokens=args.max_new_tokens)
-                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
-                                      capture_output=True, text=True)
-                if proc.returncode:
-                    sys.stderr.write(proc.stderr[-20000:])
-                    return proc.returncode
-                cells += json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)][-1][len(MARK):])
-            if method == "ar":
-                reference = {(c["temperature"], c["batch"]): c["tokens"] for c in cells}
-            for c in cells:
-                same = reference and (c["temperature"] == 0) and c["tokens"] == reference.get((0.0, c["batch"]))
-                base = next((r for r in rows if r["prompts"] == name and r["method"] == "ar"
-                             and r["temperature"] == c["temperature"] and r["batch"] == c["batch"]), None)
-                row = dict(meta, prompts=name, method=method,
-                           vllm_mode="eager" if args.enforce_eager else "compiled",
-                           temperature=c["temperature"], batch=c["batch"],
-                           new_tokens=c["new_tokens"], tokens_per_s=round(c["tokens_per_s"], 1),
-                           speedup=round(c["tokens_per_s"] / base["tokens_per_s"], 3) if base else 1.0,
-                           tau=round(c["tau"], 2), latency_s=round(c["latency_s"], 3),
-                           exact=(bool(same) if c["temperature"] == 0 else None))
-                rows.append(row)
-                print(f"{name:10s} {method:12s} T={c['temperature']:g} batch={c['batch']} "
-                      f"{row['tokens_per_s']:7.1f} tok/s {row['speedup']:5.2f}x tau {row['tau']:.2f} "
-                      f"latency {row['latency_s']:.2f} s exact={row['exact']}", flush=True)
+    for round_ in range(args.rounds):
+        for name in args.prompts:
+            prompts = load_prompts(name, args.limit)
+            reference = None
+            for method in args.methods:
+                cells = _run_method(args, env, prompts, method)
+                if cells is None:
+                    return 1
+                if method == "ar":
+                    reference = {(c["temperature"], c["batch"]): c["tokens"] for c in cells}
+                for c in cells:
+                    same = reference and (c["temperature"] == 0) and c["tokens"] == reference.get((0.0, c["batch"]))
+                    base = next((r for r in rows if r["round"] == round_ and r["prompts"] == name
+                                 and r["method"] == "ar" and r["temperature"] == c["temperature"]
+                                 and r["batch"] == c["batch"]), None)
+                    row = dict(meta, prompts=name, method=method, round=round_,
+                               vllm_mode="eager" if args.enforce_eager else "compiled",
+                               temperature=c["temperature"], batch=c["batch"],
+                               new_tokens=c["new_tokens"], tokens_per_s=round(c["tokens_per_s"], 1),
+                               speedup=round(c["tokens_per_s"] / base["tokens_per_s"], 3) if base else 1.0,
+                               tau=round(c["tau"], 2), latency_s=round(c["latency_s"], 3),
+                               exact=(bool(same) if c["temperature"] == 0 else None))
+                    rows.append(row)
+                    print(f"round {round_} {name:10s} {method:12s} T={c['temperature']:g} batch={c['batch']} "
+                          f"{row['tokens_per_s']:7.1f} tok/s {row['speedup']:5.2f}x tau {row['tau']:.2f} "
+                          f"latency {row['latency_s']:.2f} s exact={row['exact']}", flush=True)
+    if args.rounds > 1:
+        print("median speedup over the rounds (range):")
+        for s in summarize(rows):
+            print(f"{s['prompts']:10s} {s['method']:12s} T={s['temperature']:g} batch={s['batch']} "
+                  f"{s['speedup_median']:5.2f}x ({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) "
+                  f"tau {s['tau_median']:.2f} exact={s['exact']}")
     paths = write_rows(rows, result_stem(args.out, "vllm", meta))
     print("wrote", *paths)
     return 0

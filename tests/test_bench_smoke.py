@@ -157,6 +157,24 @@ def test_vllm_bench_gives_cache_readers_an_engine_per_cell():
     assert not any(bench.WARM_UP in prompt for name in ("humaneval", "mtbench") for prompt in load_prompts(name))
 
 
+def test_vllm_bench_summarizes_rounds_by_median():
+    spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "bench" / "vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [dict(prompts="humaneval", method=m, temperature=t, batch=1, round=r, speedup=s, tau=tau, exact=e)
+            for m, t, r, s, tau, e in [("tree", 0.0, 0, 1.2, 2.5, True), ("tree", 0.0, 1, 0.9, 2.7, True),
+                                       ("tree", 0.0, 2, 1.4, 2.6, False), ("tree", 1.0, 0, 0.8, 2.0, None),
+                                       ("tree", 1.0, 1, 1.0, 2.2, None)]]
+    cells = {(s["method"], s["temperature"]): s for s in bench.summarize(rows)}
+    greedy, sampled = cells[("tree", 0.0)], cells[("tree", 1.0)]
+    spread = (greedy["speedup_median"], greedy["speedup_min"], greedy["speedup_max"])
+    assert greedy["rounds"] == 3 and spread == (1.2, 0.9, 1.4)
+    assert greedy["tau_median"] == 2.6 and greedy["exact"] is False  # one inexact round makes the cell inexact
+    assert (sampled["speedup_median"], sampled["exact"]) == (0.9, None)
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+
+
 def test_first_mismatch_names_prompt_method_and_position():
     assert e2e.first_mismatch({"ar": [[1, 2, 3]], "tree": [[1, 2, 3]]}) is None
     msg = e2e.first_mismatch({"ar": [[1, 2], [4, 5, 6]], "tree": [[1, 2], [4, 7, 6]]})
