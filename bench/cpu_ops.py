@@ -50,7 +50,7 @@ def _mamba_rows(module, parents: list[int], calls: int) -> list[dict]:
     weight, bias = torch.randn(conv_dim, WIDTH), torch.randn(conv_dim)
     window0, out = tree.conv_window(WIDTH)[0].contiguous(), torch.empty_like(x)
     conv = best_us(lambda: module.tree_conv_rows(x, conv_state, torch.tensor([1]), torch.tensor([0]), index, window0,
-                                                  weight, bias, True, out), calls)
+                                                 weight, bias, True, out), calls)
     xs, B, C = torch.split(torch.randn(n, conv_dim), [SSM_HEADS * HEAD_DIM, GROUPS * SSM_STATE, GROUPS * SSM_STATE], -1)
     xs, B, C = xs.view(n, SSM_HEADS, HEAD_DIM), B.view(n, GROUPS, SSM_STATE), C.view(n, GROUPS, SSM_STATE)
     dt, A = torch.randn(n, SSM_HEADS), -torch.rand(SSM_HEADS)
@@ -58,7 +58,7 @@ def _mamba_rows(module, parents: list[int], calls: int) -> list[dict]:
     ssm_state, y = torch.randn(4, SSM_HEADS, HEAD_DIM, SSM_STATE), torch.empty(n, SSM_HEADS, HEAD_DIM)
     par = torch.tensor(parents)
     scan = best_us(lambda: module.tree_scan_rows(xs, dt, B, C, ssm_state, torch.tensor([1]), index, par, A, D,
-                                                  dt_bias, y), calls)
+                                                 dt_bias, y), calls)
     return [dict(op="tree_conv_rows", nodes=n, context=None, us=conv),
             dict(op="tree_scan_rows", nodes=n, context=None, us=scan)]
 
@@ -78,7 +78,7 @@ def _attention_rows(module, parents: list[int], context: int, calls: int) -> lis
     query, out = torch.randn(n, HEADS, HEAD_DIM), torch.empty(n, HEADS, HEAD_DIM)
     scale = HEAD_DIM ** -0.5
     op = best_us(lambda: module.tree_attention_rows(query, k_cache, v_cache, 1, BLOCK, HEAD_DIM, 1, table, lengths,
-                                                     index, mask, scale, out), calls)
+                                                    index, mask, scale, out), calls)
     allowed = torch.ones(n, length, dtype=torch.bool)
     allowed[:, context:] = mask
     # the eager path per layer: K and V gathered at element offsets built once per step (one

@@ -114,9 +114,10 @@ def _engine(args) -> None:
     print(MARK + json.dumps(cells), flush=True)
 
 
-def _run_method(args, env, prompts, method) -> list[dict] | None:
+def _run_method(args, env, prompts, method) -> list[dict]:
     """Every (temperature, batch) cell of ``method`` on ``prompts``, each engine a child process
-    (one per cell for methods that read earlier outputs); None if a child failed."""
+    (one per cell for methods that read earlier outputs); a failed child ends the run with its
+    status."""
     spec_config = METHODS[method] and json.loads(json.dumps(METHODS[method]).replace("{draft}", args.draft))
     all_cells = [[t, b] for t in args.temperatures for b in args.batches]
     cells = []
@@ -127,7 +128,7 @@ def _run_method(args, env, prompts, method) -> list[dict] | None:
                               capture_output=True, text=True)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-20000:])
-            return None
+            raise SystemExit(proc.returncode)
         cells += json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)][-1][len(MARK):])
     return cells
 
@@ -190,8 +191,6 @@ def main(argv=None) -> int:
             reference = None
             for method in args.methods:
                 cells = _run_method(args, env, prompts, method)
-                if cells is None:
-                    return 1
                 if method == "ar":
                     reference = {(c["temperature"], c["batch"]): c["tokens"] for c in cells}
                 for c in cells:

@@ -143,12 +143,18 @@ def test_method_specs():
                                               "ar+compile", "tree:static:2,2+compile"]
 
 
-def test_vllm_bench_gives_cache_readers_an_engine_per_cell():
-    # methods that draft from earlier requests' outputs must not read an earlier cell's outputs of
-    # the same prompts; bench/vllm.py is loaded by path (its name would shadow the vllm package)
+def _vllm_bench():
+    """bench/vllm.py, loaded by path (its name would shadow the vllm package)."""
     spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "bench" / "vllm.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_vllm_bench_gives_cache_readers_an_engine_per_cell():
+    # methods that draft from earlier requests' outputs must not read an earlier cell's outputs of
+    # the same prompts
+    bench = _vllm_bench()
     readers = {m for m, config in bench.METHODS.items() if bench._reads_outputs(config)}
     assert readers == {"stree-suffix", "stree-suffix-every", "stree-merged", "vllm-suffix"}
     from stree.prompts import load_prompts
@@ -158,9 +164,7 @@ def test_vllm_bench_gives_cache_readers_an_engine_per_cell():
 
 
 def test_vllm_bench_summarizes_rounds_by_median():
-    spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "bench" / "vllm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _vllm_bench()
     rows = [dict(prompts="humaneval", method=m, temperature=t, batch=1, round=r, speedup=s, tau=tau, exact=e)
             for m, t, r, s, tau, e in [("tree", 0.0, 0, 1.2, 2.5, True), ("tree", 0.0, 1, 0.9, 2.7, True),
                                        ("tree", 0.0, 2, 1.4, 2.6, False), ("tree", 1.0, 0, 0.8, 2.0, None),
