@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # alone; the "-every" ones draft at every batch size (vLLM's schedule with one range up to 4)
 METHODS = {
     "ar": None,
+    # chains: stree verifies them on a CPU by default; "sps" named keeps vLLM's rejection sampler
     "stree-chain": {"method": "stree", "model": "{draft}", "tree": "chain:4"},
+    "stree-chain-vllm": {"method": "stree", "model": "{draft}", "tree": "chain:4", "verifier": "sps"},
     "stree-chain-asps": {"method": "stree", "model": "{draft}", "tree": "chain:4", "verifier": "asps"},
     # the CPU default (and a bf16 draft, the default on a CPU that multiplies bf16 natively)
     "stree-tree": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2"},

@@ -9,7 +9,8 @@ process before the engine reads its configuration and:
   ``LlamaForCausalLM``) as a vLLM model (:mod:`.mambainllama`), so that such a checkpoint
   directory, the shipped ``models/stree-tiny`` pair among them, runs in vLLM as it is;
 - teaches vLLM's speculative config the ``"stree"`` method (:mod:`.speculative`, :mod:`.proposer`),
-  chains verified by vLLM and trees verified by stree inside the engine (:mod:`.trees`);
+  trees (and on the CPU chains) verified by stree inside the engine (:mod:`.trees`), chains
+  under SpS on a GPU by vLLM's rejection sampler;
 - fixes vLLM's own Mamba speculation where 0.32 gets it wrong (:mod:`.accepted_counts`, and on CPU
   :mod:`.cpu_spec`).
 

@@ -9,9 +9,12 @@ variable. Everything is checked here, at start-up, before any engine process exi
 loads and patches (Mamba-1 layers and other unsupported layers are refused by stree), its
 vocabulary equals the target's, the tree spec parses.
 
-What runs: ``"tree": "chain:K"`` drafts chains that vLLM's own rejection sampler verifies
-(:mod:`stree.vllm.proposer`); any other drafter spec stree parses (static, caterpillar, beam,
-DySpec, DynaTree) drafts trees that stree verifies inside the engine (:mod:`stree.vllm.trees`).
+What runs: any drafter spec stree parses (chains, static, caterpillar, beam, DySpec, DynaTree
+trees) drafts trees that stree verifies inside the engine (:mod:`stree.vllm.trees`; a chain is a
+tree), except a chain under SpS on a GPU or with ``"verifier": "sps"`` named, which vLLM's own
+rejection sampler verifies (:mod:`stree.vllm.proposer`). On the CPU stree's tree step costs less
+than vLLM's speculative Mamba2 ops over the same chain (docs/vllm.md); on a GPU vLLM's kernels
+and CUDA graphs keep the chains.
 Suffix trees (``"tree": "suffix:16"``) need no ``"model"``: no draft model is loaded, each request
 drafts from its own text and from the outputs of earlier requests (a cache bounded by
 ``"suffix_cache_requests"`` outputs and ``"suffix_cache_tokens"`` tokens; 0 requests: none);
@@ -59,9 +62,10 @@ class DraftSpec:
     """stree's speculative settings inside vLLM: the draft checkpoint directory (None for a suffix
     tree, which needs no draft model), the tree spec, the verifier of sampled requests (None: the
     lossless default for the draft, stree's rule), the bounds of the engine's cache of earlier
-    outputs that suffix trees draft from (0 requests: no cache) and whether suffix trees draft for
+    outputs that suffix trees draft from (0 requests: no cache), whether suffix trees draft for
     sampled requests (else a suffix tree drafts nothing for them and a merged tree only the
-    draft's part), and the dtype the draft model runs in."""
+    draft's part), the dtype the draft model runs in, and whether chains under SpS go to vLLM's
+    rejection sampler (else stree verifies them like trees)."""
 
     model: str | None
     tree: str = "chain:4"
@@ -70,12 +74,15 @@ class DraftSpec:
     suffix_cache_tokens: int = 1 << 18
     suffix_sampled: bool = True
     draft_dtype: str = "float32"
+    vllm_sps: bool = True
 
     @property
     def stree_verifies(self) -> bool:
         """Whether stree verifies inside the engine (:mod:`stree.vllm.trees`): trees, and chains
-        under another verifier than SpS, which is what vLLM's own rejection sampler runs."""
-        return not is_chain(self.tree) or self.verifier not in (None, "sps")
+        but those under SpS (no verifier, or ``"sps"``) left to vLLM's own rejection sampler,
+        which runs SpS, where :attr:`vllm_sps` says so (``translate``: on a GPU, or ``"sps"``
+        named)."""
+        return not is_chain(self.tree) or self.verifier not in (None, "sps") or not self.vllm_sps
 
     def pair(self, sampling):
         """stree's (drafter, verifier) for requests of ``sampling`` (greedy ones always verify
@@ -141,7 +148,7 @@ def needs_model(tree: str) -> bool:
 
 
 def is_chain(tree: str) -> bool:
-    """Whether a spec drafts chains (verified by vLLM) rather than trees (verified by stree)."""
+    """Whether a spec drafts chains (which vLLM's rejection sampler may verify) rather than trees."""
     from stree.draft import ChainDrafter, parse_drafter
 
     return isinstance(parse_drafter(tree), ChainDrafter)
@@ -207,9 +214,12 @@ def translate(config: dict, target_vocab_size: int) -> dict:
         draft_dtype = default_draft_dtype() if current_platform.is_cpu() else "float32"
     elif draft_dtype not in DRAFT_DTYPES:
         raise ValueError(f"speculative_config: {DRAFT_DTYPE} must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
+    # the CPU default: stree verifies chains too, its tree step costing less there than vLLM's
+    # speculative Mamba2 ops (docs/vllm.md); "sps" named keeps vLLM's rejection sampler
+    vllm_sps = verifier == "sps" or not current_platform.is_cpu()
     spec = DraftSpec(model=str(config["model"]) if config.get("model") else None, tree=tree,
                      verifier=None if verifier is None else str(verifier), suffix_sampled=suffix_sampled,
-                     draft_dtype=draft_dtype, **bounds)
+                     draft_dtype=draft_dtype, vllm_sps=vllm_sps, **bounds)
     try:  # the verifier is checked against the whole tree, whether or not sampled requests draft it
         replace(spec, suffix_sampled=True).pair(SamplingConfig(temperature=1.0))
     except ValueError as err:

@@ -32,9 +32,9 @@ tree verification:
    ``conv_replay``) into the SSM slot and conv offset vLLM reads next step:
    ``num_accepted_tokens - 1 = a``.
 
-Chains (``"chain:K"``) keep vLLM's own verification (:mod:`stree.vllm.proposer`) unless the
-speculative config names another verifier than SpS (``"verifier": "asps"``): a chain is a tree, so
-it then takes this path.
+A chain (``"chain:K"``) is a tree and takes this path too, but where
+:attr:`~stree.vllm.speculative.DraftSpec.stree_verifies` leaves it to vLLM's own rejection sampler
+(SpS on a GPU, or ``"verifier": "sps"`` named: :mod:`stree.vllm.proposer`).
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def test_stree_verifies_with_the_draft_distributions(pair):
     vLLM's and stree's kernels); the one-hot rule, without them, would accept it only with
     probability p(x), about E[p] on this peaked vocabulary (computed below). Exact either way."""
     target, _, p_target, _ = pair
-    out = _sample(target, {"method": "stree", "model": target, "tree": "chain:3"})
+    out = _sample(target, {"method": "stree", "model": target, "tree": "chain:3", "verifier": "sps"})
     spec = out["spec"]
     acceptance = spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_draft_tokens"]
     with torch.no_grad():  # E_x~p [p(x)] at the first new token: the one-hot rule's acceptance
@@ -102,14 +102,17 @@ def test_stree_verifies_with_the_draft_distributions(pair):
     assert _pvalue(_counts(out["tokens"]), p_target) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["stree", "stree-asps", "stree-tree", "stree-suffix", "stree-merged", "ngram"])
+@pytest.mark.parametrize("method", ["stree", "stree-vllm", "stree-asps", "stree-tree", "stree-suffix",
+                                    "stree-merged", "ngram"])
 def test_speculative_sampling_matches_exact_distribution(pair, method):
-    """stree's chain (vLLM's rejection sampler, SpS), stree's chain under ASpS and stree's tree
+    """stree's chain (SpS: stree's inside the engine, the CPU default, and vLLM's rejection
+    sampler), stree's chain under ASpS and stree's tree
     (stree's verifiers inside the engine; the tree's children drawn without replacement from the
     draft, MSS), a suffix tree (no draft model; chosen children, naive sampling), a merged tree
     (drawn and chosen children under one node, MSS's rule for the mix) and vLLM's ngram."""
     target, draft, p_target, _ = pair
     config = {"stree": {"method": "stree", "model": draft, "tree": "chain:3"},
+              "stree-vllm": {"method": "stree", "model": draft, "tree": "chain:3", "verifier": "sps"},
               "stree-asps": {"method": "stree", "model": draft, "tree": "chain:3", "verifier": "asps"},
               "stree-tree": {"method": "stree", "model": draft, "tree": "caterpillar:2,2,2"},
               "stree-suffix": {"method": "stree", "tree": "suffix:4"},

@@ -37,13 +37,15 @@ def _acceptance(out, per: str = "draft_tokens") -> float:
     return spec["vllm:spec_decode_num_accepted_tokens"] / spec[f"vllm:spec_decode_num_{per}"]
 
 
-@pytest.mark.parametrize("draft, low, high", [
-    ("own", 0.9, 1.0),        # the target's own weights: everything accepted but the cut at the end
-    ("perturbed", 0.05, 0.9),
-    ("unrelated", 0.0, 0.3),  # mostly rejected
+@pytest.mark.parametrize("draft, verifier, low, high", [
+    ("own", None, 0.9, 1.0),        # the target's own weights: everything accepted but the cut at the end
+    ("perturbed", None, 0.05, 0.9),
+    ("perturbed", "sps", 0.05, 0.9),  # vLLM's rejection sampler (the CPU default verifies in stree)
+    ("unrelated", None, 0.0, 0.3),  # mostly rejected
 ])
-def test_stree_chain_equals_own_greedy(reference, draft_dirs, draft, low, high):
-    out = _run({"method": "stree", "model": draft_dirs[draft], "tree": "chain:4"})
+def test_stree_chain_equals_own_greedy(reference, draft_dirs, draft, verifier, low, high):
+    spec = {"method": "stree", "model": draft_dirs[draft], "tree": "chain:4"}
+    out = _run(spec if verifier is None else {**spec, "verifier": verifier})
     assert out["tokens"] == reference
     assert low <= _acceptance(out) <= high
 
@@ -56,16 +58,18 @@ def test_vllm_ngram_exact_with_plugin(reference):
     _acceptance(out)
 
 
-@pytest.mark.parametrize("tree", ["chain:4", "caterpillar:2,2,2,2"])
-def test_continuous_batching_reuses_draft_slots(tree):
+@pytest.mark.parametrize("spec", [{"tree": "chain:4", "verifier": "sps"}, {"tree": "chain:4"},
+                                  {"tree": "caterpillar:2,2,2,2"}])
+def test_continuous_batching_reuses_draft_slots(spec):
     """Ten requests of different prompt and output lengths through four sequence slots, with
-    chains (vLLM verifies) and trees (stree verifies in the engine): requests finish at different
-    times, new ones take their place (their draft state-pool rows, Mamba state slots and KV
-    blocks), and every request's tokens equal the target's own greedy decoding."""
+    chains verified by vLLM (``"verifier": "sps"``) and by stree (the CPU default) and trees
+    (stree verifies in the engine): requests finish at different times, new ones take their place
+    (their draft state-pool rows, Mamba state slots and KV blocks), and every request's tokens
+    equal the target's own greedy decoding."""
     prompts = [list(range(5 + i, 5 + 3 * i + 2)) for i in range(10)]
     lengths = [8 + 7 * (i % 4) for i in range(10)]
     proc = engine.run({"engine": {"model": TARGET, "speculative_config": {"method": "stree", "model": SHIPPED_DRAFT,
-                                                                          "tree": tree}},
+                                                                          **spec}},
                        "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": max(lengths),
                                                         "ignore_eos": True},
                        "max_tokens": lengths})

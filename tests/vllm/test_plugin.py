@@ -190,6 +190,33 @@ def test_cpu_default_schedule_drafts_only_while_a_request_runs_alone(monkeypatch
     assert SCHEDULE not in translate({"method": "stree", "model": DRAFT, "tree": "chain:4"}, 4096)
 
 
+def test_cpu_default_chains_are_verified_by_stree(monkeypatch):
+    """On a CPU a chain under SpS (no verifier named) is verified by stree inside the engine, its
+    tree step costing less there than vLLM's speculative Mamba2 ops; ``"verifier": "sps"`` keeps
+    vLLM's rejection sampler, and so does a GPU by default (its kernels and CUDA graphs); ASpS is
+    stree's everywhere. Trees are stree's everywhere."""
+    from vllm.platforms import current_platform
+
+    from stree.vllm.speculative import ENV, GPU_TREES, DraftSpec, translate
+
+    monkeypatch.setenv(ENV, "")
+    monkeypatch.setenv(GPU_TREES, "1")
+    chain = {"method": "stree", "model": DRAFT, "tree": "chain:4"}
+
+    def verifies(config):
+        translate(config, 4096)
+        return DraftSpec.from_env().stree_verifies
+
+    assert verifies(chain)
+    assert not verifies({**chain, "verifier": "sps"})
+    assert verifies({**chain, "verifier": "asps"})
+    assert verifies({**chain, "tree": "caterpillar:2,2"})
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert not verifies(chain)
+    assert not verifies({**chain, "verifier": "sps"})
+    assert verifies({**chain, "verifier": "asps"})
+
+
 def test_cpu_default_suffix_trees_draft_for_greedy_requests_only(monkeypatch):
     """Without ``suffix_sampled`` the CPU's suffix trees draft for greedy requests only (a sampled
     one's fixed tokens accept too little there to pay for a tree step); a GPU's for all; the
