@@ -31,10 +31,11 @@ accept x with probability min(1, p(x) / q(x)), else draw from (p - q)+), lossles
 tokens were really drawn from, instead of the one-hot rule, which accepts x only with
 probability p(x).
 
-Where stree verifies (:mod:`stree.vllm.trees`: a tree spec, or a chain but where
-:attr:`~stree.vllm.speculative.DraftSpec.stree_verifies` leaves it to vLLM) the drafted tree's nodes go to vLLM flattened in topological order, and the tree itself (with
-the distributions its children were drawn from and the verifier for the request's sampling
-settings) is kept in ``drafted`` by request id, for stree's verification in the next step.
+Where stree verifies (:mod:`stree.vllm.trees`: every tree spec, and chains but where
+:attr:`~stree.vllm.speculative.DraftSpec.stree_verifies` leaves them to vLLM) the drafted tree's
+nodes go to vLLM flattened in topological order, and the tree itself (with the distributions its
+children were drawn from and the verifier for the request's sampling settings) is kept in
+``drafted`` by request id, for stree's verification in the next step.
 
 Suffix trees (``"tree": "suffix:16"``) run no draft model: each request keeps a row of the
 engine's :class:`~stree.draft.suffix.ContextIndex` (its text's suffix trie, pushed the request's

@@ -78,9 +78,9 @@ class DraftSpec:
 
     @property
     def stree_verifies(self) -> bool:
-        """Whether stree verifies inside the engine (:mod:`stree.vllm.trees`): trees, and chains
-        but those under SpS (no verifier, or ``"sps"``) left to vLLM's own rejection sampler,
-        which runs SpS, where :attr:`vllm_sps` says so (``translate``: on a GPU, or ``"sps"``
+        """Whether stree verifies inside the engine (:mod:`stree.vllm.trees`): every tree and
+        chain, but a chain under SpS (no verifier, or ``"sps"``) where :attr:`vllm_sps` gives it
+        to vLLM's own rejection sampler, which runs SpS (``translate``: on a GPU, or ``"sps"``
         named)."""
         return not is_chain(self.tree) or self.verifier not in (None, "sps") or not self.vllm_sps
 

@@ -105,11 +105,11 @@ def test_stree_verifies_with_the_draft_distributions(pair):
 @pytest.mark.parametrize("method", ["stree", "stree-vllm", "stree-asps", "stree-tree", "stree-suffix",
                                     "stree-merged", "ngram"])
 def test_speculative_sampling_matches_exact_distribution(pair, method):
-    """stree's chain (SpS: stree's inside the engine, the CPU default, and vLLM's rejection
-    sampler), stree's chain under ASpS and stree's tree
-    (stree's verifiers inside the engine; the tree's children drawn without replacement from the
-    draft, MSS), a suffix tree (no draft model; chosen children, naive sampling), a merged tree
-    (drawn and chosen children under one node, MSS's rule for the mix) and vLLM's ngram."""
+    """stree's chain under SpS (verified by stree inside the engine, the CPU default, and by
+    vLLM's rejection sampler), stree's chain under ASpS and stree's tree (stree's verifiers inside
+    the engine; the tree's children drawn without replacement from the draft, MSS), a suffix tree
+    (no draft model; chosen children, naive sampling), a merged tree (drawn and chosen children
+    under one node, MSS's rule for the mix) and vLLM's ngram."""
     target, draft, p_target, _ = pair
     config = {"stree": {"method": "stree", "model": draft, "tree": "chain:3"},
               "stree-vllm": {"method": "stree", "model": draft, "tree": "chain:3", "verifier": "sps"},
