@@ -214,8 +214,7 @@ def translate(config: dict, target_vocab_size: int) -> dict:
         draft_dtype = default_draft_dtype() if current_platform.is_cpu() else "float32"
     elif draft_dtype not in DRAFT_DTYPES:
         raise ValueError(f"speculative_config: {DRAFT_DTYPE} must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
-    # the CPU default: stree verifies chains too, its tree step costing less there than vLLM's
-    # speculative Mamba2 ops (docs/vllm.md); "sps" named keeps vLLM's rejection sampler
+    # chains under SpS: vLLM's rejection sampler on a GPU or where named, else stree (module docstring)
     vllm_sps = verifier == "sps" or not current_platform.is_cpu()
     spec = DraftSpec(model=str(config["model"]) if config.get("model") else None, tree=tree,
                      verifier=None if verifier is None else str(verifier), suffix_sampled=suffix_sampled,
