@@ -58,6 +58,9 @@ METHODS = {
     "stree-suffix-every": {"method": "stree", "tree": "suffix:16",
                            "num_speculative_tokens_per_batch_size": [[1, 4, 15]]},
     "stree-merged": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2+suffix:16"},
+    # the suffix tree alone where it scores solo (no draft model that step)
+    "stree-merged-solo2": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2+suffix:16:solo=2"},
+    "stree-merged-solo4": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2+suffix:16:solo=4"},
     # vLLM's own SuffixDecoding (one path per request; needs the arctic-inference package)
     "vllm-suffix": {"method": "suffix", "num_speculative_tokens": 16},
 }

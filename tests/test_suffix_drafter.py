@@ -35,6 +35,7 @@ def new_tokens(out, prompts):
     ("suffix:16", False), ("suffix:1", False), ("suffix:8:factor=4,min_prob=0", False),
     ("caterpillar:2,2,2+suffix:16", True), ("chain:3+suffix:8", True), ("suffix:8+static:2,2", True),
     ("dyspec:8+suffix:8", True), ("beam:2x2+suffix:4", True),
+    ("caterpillar:2,2,2+suffix:16:solo=2", True), ("chain:3+suffix:8:min_prob=0.2,solo=1.5", True),
 ], ids=str)
 def test_greedy_equals_target_greedy(target, draft, drafter, with_draft):
     out = generate(target, draft if with_draft else None, PROMPTS, 150, drafter=drafter)
@@ -52,7 +53,8 @@ def test_no_draft_model_is_needed(target):
         generate(target, None, PROMPTS[:1], 8, drafter="caterpillar:2,2,2+suffix:16")
 
 
-@pytest.mark.parametrize("drafter", ["caterpillar:2,2,2+suffix:16", "chain:4+suffix:8"])
+@pytest.mark.parametrize("drafter", ["caterpillar:2,2,2+suffix:16", "chain:4+suffix:8",
+                                     "caterpillar:2,2,2+suffix:16:solo=2"])
 def test_draft_cache_catches_up_with_the_target(drafter):
     """Accepted suffix-tree nodes are tokens the draft never ran: it runs them (one prefill)
     before it next drafts, so after every generate the draft has committed what the target has,
@@ -68,6 +70,22 @@ def test_draft_cache_catches_up_with_the_target(drafter):
         committed, drafted = caches["target"].committed(r), caches["draft"].committed(r)
         assert committed[:len(drafted)] == drafted  # never ahead, never different
         assert committed == out.sequences[r, :len(committed)].tolist()
+
+
+def test_solo_steps_skip_the_draft_model():
+    """With ``solo`` a step whose suffix tree scores that much drafts it alone: the draft model
+    runs fewer levels than the same merged tree without it, the output is the same, and the
+    steps without the draft model are counted as no draft calls."""
+    target, draft = FakeLM(vocab_size=V), FakeLM(vocab_size=V, noise=1.0)
+    runs = {}
+    for spec in ("caterpillar:2,2,2+suffix:16", "caterpillar:2,2,2+suffix:16:solo=2"):
+        draft.calls.clear()
+        out = generate(target, draft, PROMPTS, 120, drafter=spec)
+        runs[spec] = (new_tokens(out, PROMPTS), sum(c.kind != "prefill" for c in draft.calls), out.stats)
+    (plain, plain_levels, plain_stats), (solo, solo_levels, solo_stats) = runs.values()
+    assert solo == plain
+    assert 0 < solo_levels < plain_levels
+    assert solo_stats.draft_calls < plain_stats.draft_calls
 
 
 def test_shared_cache_drafts_earlier_outputs(target):
@@ -102,6 +120,20 @@ def test_sampled_output_has_the_target_distribution(drafter, verifier, with_draf
     assert chisquare(_joint(out, prompt, 3, v).double(), _expected(target, prompt, rows)).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("drafter", ["static:2,2+suffix:6:solo=1", "chain:2+suffix:4:solo=1"])
+def test_sampled_solo_steps_keep_the_target_distribution(drafter):
+    """A prompt in which every token has one successor: every row's suffix tree scores 1, so
+    every step is solo (no draft model), its chosen children verified by MSS's rule for the mix
+    (as naive sampling); the first 3 tokens of 3000 rows against the exact joint."""
+    v, rows = 5, 3000
+    target, draft = FakeLM(vocab_size=v, scale=1.0), FakeLM(vocab_size=v, scale=1.0, noise=0.8)
+    prompt = torch.tensor([0, 1, 2, 3, 4] * 3)
+    out = generate(target, draft, prompt.expand(rows, -1), 3, temperature=1.0, drafter=drafter,
+                   generator=torch.Generator().manual_seed(0))
+    assert out.stats.draft_calls == 0 and out.stats.tau > 1.05
+    assert chisquare(_joint(out, prompt, 3, v).double(), _expected(target, prompt, rows)).pvalue > 1e-3
+
+
 def test_resolved_modes_and_verifiers():
     hot = SamplingConfig(1.0)
     d, v = resolve("tree", "suffix:16", None, hot)
@@ -133,6 +165,8 @@ def test_one_index_is_shared_by_a_merged_spec():
     ("suffix:8:depth=0", "depth >= 1"),
     ("suffix:8+suffix:4", "one draft model's tree and one suffix tree"),
     ("auto+suffix:4", "one draft model's tree"), ("chain:4+static:2,2", "one suffix tree"),
+    ("suffix:8:solo=2", "unknown suffix option"), ("chain:4+suffix:8:solo=0", "positive"),
+    ("chain:4+suffix:8:solo=many", "needs a number"),
 ])
 def test_bad_specs_are_refused(spec, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -10,6 +10,15 @@ suffix tree's, chosen from the context. ``Draft.fixed`` / ``Draft.drawn`` mark t
 such a node by its rule for the mix (``stree.verify.mss.mixed_rule``: the draws first, then the
 chosen children against the residual sample), greedy and naive verification need nothing more.
 Padding of a batch is neither fixed nor drawn, so that rule never takes it.
+
+With ``solo`` set (``"caterpillar:2,2,2+suffix:16:solo=3"``), a draft whose every row's suffix
+tree scores at least ``solo`` (SuffixDecoding's score: the sum of its nodes' path probabilities,
+the tokens it expects accepted) is the suffix trees alone, as SuffixDecoding's hybrid falls back
+to its model-based drafter only where the suffix tree scores low: the draft model's levels, most
+of a merged step's drafting cost, are skipped where the context already predicts a long
+continuation. The draft model then runs nothing (:meth:`MergedDrafter.ran` is false for every
+node), so its state falls behind by the tokens accepted, which the loop runs as the next lead or
+catch-up (:meth:`MergedDrafter.wants_draft_model` tells it beforehand).
 """
 from __future__ import annotations
 
@@ -70,12 +79,16 @@ class MergedDrafter(Drafter):
     base: Drafter
     suffix: SuffixDrafter
     name: str = ""
+    solo: float | None = None  # a draft whose suffix trees all score this much skips the draft model
     sizes: list[int] = field(init=False, default_factory=list)  # nodes per row, latest draft
     _size: int = field(init=False, default=0)        # nodes of the base tree in the latest draft
     _base_tree: TokenTree | None = field(init=False, default=None, repr=False)
+    _model_ran: bool = field(init=False, default=True)  # whether the latest draft ran the draft model
 
     def __post_init__(self):
         self.name = self.name or f"{self.base.name}+{self.suffix.name}"
+        if self.solo is not None and not self.solo > 0:
+            raise ValueError(f"solo must be a positive score (expected accepted tokens), got {self.solo}")
 
     # ------------------------------------------------------------------------------ shape
     @property
@@ -96,7 +109,7 @@ class MergedDrafter(Drafter):
 
     @property
     def draft_runs(self) -> int:
-        return self.base.draft_runs
+        return self.base.draft_runs if self._model_ran else 0
 
     def ran(self, node: int) -> bool:
         return node < self._size and self.base.ran(node)
@@ -132,7 +145,8 @@ class MergedDrafter(Drafter):
         self.suffix.start(prompts)
 
     def observe(self, tree: TokenTree, path: Tensor) -> None:
-        self.base.observe(*self.base_view(path))
+        if self._model_ran:  # a solo draft teaches the draft model's drafter nothing
+            self.base.observe(*self.base_view(path))
         self.suffix.observe(tree, path)
 
     def base_view(self, path: Tensor) -> tuple[TokenTree, Tensor]:
@@ -149,11 +163,25 @@ class MergedDrafter(Drafter):
     def takes_lead(self, model, sampling: SamplingConfig) -> bool:
         return self.base.takes_lead(model, sampling)
 
+    def wants_draft_model(self, roots: Tensor) -> bool:
+        return not self._solo(roots.tolist())
+
+    def _solo(self, ids: list[int]) -> bool:
+        """Whether the draft of roots ``ids`` is the suffix trees alone (every row scores ``solo``;
+        the step's speculation is computed once, so this and :meth:`draft` agree)."""
+        return self.solo is not None and all(s.score >= self.solo for s in self.suffix.speculate(ids))
+
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None, lead: Tensor | None = None) -> Draft:
+        ids = roots.tolist()
+        if lead is None and self._solo(ids):  # a lead is the caller's word that the model runs
+            d = self.suffix.draft(None, None, roots, sampling)
+            self.sizes, self._size, self._model_ran = list(self.suffix.sizes), 0, False
+            mode = _merged_mode(self.base.modes(sampling)[0])  # the mode of the drafts it alternates with
+            return all_chosen(d, mode) if mode in ("iid", "without_replacement") else d
+        self._model_ran = True
         args = (model, cache, roots, sampling, generator)
         d = self.base.draft(*args) if lead is None else self.base.draft(*args, lead=lead)
-        ids = roots.tolist()
         extra = as_rows(ids, self.suffix.speculate(ids))
         base = zip(d.tree.tokens.tolist(), d.tree.parents.tolist())
         rows = [union(b, e) for b, e in zip(base, extra)]

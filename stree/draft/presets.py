@@ -14,7 +14,9 @@ picks among chains, static presets and DySpec budgets by predicted tokens/s (``a
 Trees with no draft model (``suffix.py``): ``"suffix:N"`` (at most N drafted nodes) with optional
 ``":key=value,..."`` options of :class:`~stree.draft.suffix_index.SpeculationConfig` (``depth``,
 ``min_prob``, ``factor``, ``offset``), e.g. ``"suffix:16:min_prob=0.2,factor=2"``; a draft model's
-tree merged with one (``merged.py``): ``"caterpillar:2,2,2+suffix:16"``.
+tree merged with one (``merged.py``): ``"caterpillar:2,2,2+suffix:16"``, and with
+``":solo=S"`` among the suffix tree's options the suffix trees alone where they all score at
+least ``S`` expected tokens (``"caterpillar:2,2,2+suffix:16:solo=3"``: no draft model that step).
 
 The paper gives the static trees only as images (Fig. 4a, appendix Fig. 5) and Table 3's numbers
 (max width, depth below the root, tokens with the root). The shapes chosen here match those numbers
@@ -145,6 +147,23 @@ def _merged(spec: str, index: ContextIndex) -> Drafter:
     if len(parts) != 2 or len(suffixes) != 1 or models[0] == "auto":
         raise ValueError(f"a merged drafter is one draft model's tree and one suffix tree, as in "
                          f"'caterpillar:2,2,2+suffix:16'; got {spec!r}")
+    # ``solo=S`` among the suffix tree's options is the merge's (MergedDrafter.solo), not the tree's
+    head, _, options = suffixes[0].partition(":")
+    size, _, options = options.partition(":")
+    kept, solo = [], None
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if key != "solo":
+            kept.append(item)
+            continue
+        try:
+            solo = float(value)
+        except ValueError:
+            raise ValueError(f"solo needs a number, got {value!r} in {spec!r}") from None
+    suffix_spec = f"{head}:{size}" + (":" + ",".join(kept) if kept else "")
     base = parse_tree(models[0])
-    suffix = parse_tree(suffixes[0], index=index)
-    return MergedDrafter(base, suffix, name=f"{models[0]}+{suffixes[0]}")
+    suffix = parse_tree(suffix_spec, index=index)
+    try:
+        return MergedDrafter(base, suffix, name=f"{models[0]}+{suffixes[0]}", solo=solo)
+    except ValueError as err:
+        raise ValueError(f"{err} (drafter spec {spec!r})") from None

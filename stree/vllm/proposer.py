@@ -43,7 +43,8 @@ new tokens each step, and its place in the engine's cache of earlier outputs, wh
 output joins when it leaves the batch), and its tree is read from them; a request with no match
 proposes nothing that step. Merged with a draft's tree (``"caterpillar:2,2,2+suffix:16"``) the
 draft runs as for its tree alone, and accepted suffix nodes it never ran are among the tokens
-it is behind.
+it is behind; a request whose suffix tree scores the merge's ``solo`` drafts it alone, in a call
+of its own, and its draft state is left behind until it next runs the draft model.
 
 When vLLM compiles its model (``enforce_eager=False``) the draft's levels run compiled too
 (:mod:`stree.capture`), for drafters with a static template: a draft batch is padded to the next
@@ -287,20 +288,22 @@ class StreeProposer:
             for i, history in histories.items():
                 self._push(self.req_ids[i], history, len(sampled_token_ids[i]))
         with capture.compiled(self.model) if self.compiled else nullcontext():
-            leads = {}
+            leads, solo = {}, set()
             if self.model is not None:
+                solo = {i for i in histories if self._solo(i, histories[i][-1])}
                 leading = {self.req_ids[i] for i in histories
                            if self.takes_lead[sampling_of(self.params[i]).is_greedy]}
-                leads = self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()}, leading)
+                leads = self._catch_up({self.req_ids[i]: h[:-1] for i, h in histories.items()}, leading,
+                                       {self.req_ids[i] for i in solo})
             groups: dict[object, list[int]] = {}
             for i in histories:
                 sampling = sampling_of(self.params[i])
                 row = self.rows.get(self.req_ids[i])  # none without a draft model: nothing is drawn
                 seeded = row is not None and row.generator is not None and not sampling.is_greedy
-                groups.setdefault(("seed", row.rid) if seeded else sampling, []).append(i)
-            for members in groups.values():
+                groups.setdefault((("seed", row.rid) if seeded else sampling, i in solo), []).append(i)
+            for (_, alone), members in groups.items():
                 roots = [histories[i][-1] for i in members]
-                for i, (tokens, q) in zip(members, self._draft(members, roots, leads)):
+                for i, (tokens, q) in zip(members, self._draft(members, roots, leads, alone)):
                     out[i] = tokens[:self.budget]  # the tree's first nodes: a subtree
                     if q is not None:
                         probs[i] = q
@@ -312,10 +315,12 @@ class StreeProposer:
                 self.last_probs[i] = q
         return out
 
-    def _catch_up(self, committed: dict[str, list[int]], leading: set[str]) -> dict[str, list[int]]:
+    def _catch_up(self, committed: dict[str, list[int]], leading: set[str],
+                  solo: set[str] = frozenset()) -> dict[str, list[int]]:
         """Bring each request's slot to its ``committed`` tokens (its history less the root), or
         for the requests in ``leading`` (whose drafts run a lead) to within
-        ``MAX_LEAD`` tokens of them: returns those tokens by request id, for its draft.
+        ``MAX_LEAD`` tokens of them: returns those tokens by request id, for its draft. Requests
+        in ``solo`` (drafting without the draft model this step) only commit their last draft.
 
         The last step's draft batches commit first, each row along its request's accepted path
         with the lead it ran (rows of requests that left, or whose tokens are no root path of
@@ -341,6 +346,8 @@ class StreeProposer:
             row = self.rows.get(rid)
             if row is None or row.history != tokens[:len(row.history)]:
                 row = self._reset(rid, row)
+            if rid in solo:
+                continue
             if rid in leading and 0 < len(tokens) - len(row.history) <= MAX_LEAD:
                 leads[rid] = tokens[len(row.history):]
             elif len(row.history) < len(tokens):
@@ -405,22 +412,32 @@ class StreeProposer:
             return path[:next((j for j, u in enumerate(path) if not batch.ran[u]), len(path))]
         return path
 
-    def _draft(self, members: list[int], roots: list[int],
-               leads: dict[str, list[int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def _solo(self, i: int, root: int) -> bool:
+        """Whether request ``i``'s draft from ``root`` runs no draft model this step (a merged
+        tree whose suffix tree scores its ``solo``: :meth:`MergedDrafter.wants_draft_model`), so
+        that its draft state is left behind rather than caught up first."""
+        pair = self.pairs[sampling_of(self.params[i]).is_greedy]
+        if pair is None or not isinstance(pair[0], MergedDrafter) or pair[0].solo is None:
+            return False
+        self.index.use([self.contexts[self.req_ids[i]][0]])
+        return not pair[0].wants_draft_model(torch.tensor([root]))
+
+    def _draft(self, members: list[int], roots: list[int], leads: dict[str, list[int]],
+               solo: bool = False) -> list[tuple[list[int], torch.Tensor | None]]:
         """One draft call for the requests at batch indices ``members`` (one sampling setting),
         from their ``roots``, after the tokens ``leads`` gives a request (its draft is behind by
-        them): per request its draft tokens (at most K; a suffix tree's as many as its match
-        earns) and, if sampled under vLLM's verification, the ``(K, vocab)`` distributions they
-        were drawn from."""
+        them), or where ``solo`` (see :meth:`_solo`) without the draft model: per request its
+        draft tokens (at most K; a suffix tree's as many as its match earns) and, if sampled
+        under vLLM's verification, the ``(K, vocab)`` distributions they were drawn from."""
         rids = [self.req_ids[i] for i in members]
         sampling = sampling_of(self.params[members[0]])
         if self.pairs[sampling.is_greedy] is None:  # no drafts for such requests (see DraftSpec.pair)
             return [([], None)] * len(members)
         drafter, verifier = self.pairs[sampling.is_greedy]
-        pad = 0 if self.sizes is None else next(s for s in self.sizes if s >= len(rids)) - len(rids)
+        pad = 0 if self.sizes is None or solo else next(s for s in self.sizes if s >= len(rids)) - len(rids)
         if _suffix(drafter) is not None:
             self.index.use([self.contexts[rid][0] for rid in rids] + [self.index.new_row([])] * pad)
-        if self.model is None:
+        if self.model is None or solo:  # each row's suffix tree scores the merge's solo: so do all
             d = drafter.draft(None, None, torch.tensor(roots), sampling)
         else:
             rows = [self.rows[rid] for rid in rids]

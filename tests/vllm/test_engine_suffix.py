@@ -2,8 +2,8 @@
 draft's tree): greedy output equal token for token to the target's own greedy decoding, eager and
 compiled, with steps where a request has no match (it proposes nothing), continuous batching and
 aborts; the engine's cache of earlier outputs is drafted from and stays bounded; bad settings are
-refused at start-up. (Sampled output: tests/vllm/test_engine_sampling.py.) One engine per
-configuration."""
+refused at start-up; a merged tree with ``solo`` is exact too. (Sampled output:
+tests/vllm/test_engine_sampling.py.) One engine per configuration."""
 import pytest
 
 from tests.vllm import engine
@@ -29,6 +29,15 @@ def test_equals_own_greedy(reference, spec, eager):
     assert out["tokens"] == reference
     s = out["spec"]
     assert 0 < s["vllm:spec_decode_num_accepted_tokens"] < s["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_solo_merged_equals_own_greedy(reference):
+    """``caterpillar:2,2,2+suffix:16:solo=2``, compiled: a request whose suffix tree scores 2
+    drafts it alone, in a draft call of its own beside the others' (the draft model left behind
+    until it next runs); the output is exact."""
+    out = _run({**MERGED, "tree": MERGED["tree"] + ":solo=2"}, enforce_eager=False)
+    assert out["tokens"] == reference
+    assert out["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_continuous_batching_and_aborts():

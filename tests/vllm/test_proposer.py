@@ -276,3 +276,41 @@ def test_tokens_behind_run_as_the_next_drafts_lead_drafting_what_a_fresh_prefill
     # (1 + root + 3 + 2 tokens); the deepest node again; 1 + 1 + 3 + 12 tokens: prefilled
     assert leads == [(1, 8), (1, 1), (1, 1), (1, 8), (1, 1), None]
     assert set(prefills) == {5}  # before the sixth draft only
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_solo_steps_leave_the_draft_behind_drafting_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
+    """``caterpillar:2,2,2+suffix:16:solo=2``: where the request's text repeats its suffix tree
+    scores 2 or more and the step drafts it alone, the draft model not run and its state not
+    caught up; where the text stops repeating the draft model runs again, from a state brought
+    up to every token accepted meanwhile. Every step's drafts equal those of a fresh proposer
+    that prefills the whole history."""
+    proposer = _proposers(monkeypatch, "caterpillar:2,2,2+suffix:16:solo=2")
+    drafting = proposer(enforce_eager)
+    drafting.load_model(None)
+    levels = []
+    draft_levels = drafting.model.draft_levels
+    monkeypatch.setattr(drafting.model, "draft_levels", lambda *a, **kw: levels.append(1) or draft_levels(*a, **kw))
+    pattern = [5, 17, 33, 80, 100, 7, 9, 11]
+    history, ran = [0] + pattern * 3, []
+    for step, novel in enumerate([0, 0, 3, 0, 0, 2, 0]):
+        drafting.bind(["r"])
+        before = len(levels)
+        drafts = drafting.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0]
+        ran.append(len(levels) > before)
+        fresh = proposer(True)
+        fresh.bind(["r"])
+        assert drafts == fresh.propose([[history[-1]]], [len(history)], torch.tensor([history]))[0], step
+        if ran[-1]:  # the draft's spine, all accepted, and a bonus token
+            tree, node, new = drafting.drafted["r"].tree, 0, []
+            while tree.children(0, node) and tree.children(0, node)[0] < 7:
+                node = tree.children(0, node)[0]
+                new.append(int(tree.tokens[0, node]))
+            new.append((new[-1] + 1) % 4096)
+        else:  # three of the suffix tree's tokens accepted, its fourth the bonus: the text goes on
+            new = drafts[:4]
+        tail = [(history[-1] * 7 + 3 * i + 1) % 4000 + 50 for i in range(novel)]  # text it never saw
+        history = history + new + tail
+    # solo while the pattern repeats; the draft model after new text, caught up over three solo
+    # steps' tokens and the new ones, and again after one solo step
+    assert ran == [False, False, False, True, True, False, True]
