@@ -156,7 +156,8 @@ def test_vllm_bench_gives_cache_readers_an_engine_per_cell():
     # the same prompts
     bench = _vllm_bench()
     readers = {m for m, config in bench.METHODS.items() if bench._reads_outputs(config)}
-    assert readers == {"stree-suffix", "stree-suffix-every", "stree-merged", "vllm-suffix"}
+    assert readers == {"stree-suffix", "stree-suffix-every", "stree-merged", "stree-merged-solo2",
+                       "stree-merged-solo4", "vllm-suffix"}
     from stree.prompts import load_prompts
 
     # the warm-up request's output seeds the engine's cache: its text is in no prompt set

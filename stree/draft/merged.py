@@ -13,9 +13,9 @@ Padding of a batch is neither fixed nor drawn, so that rule never takes it.
 
 With ``solo`` set (``"caterpillar:2,2,2+suffix:16:solo=3"``), a draft whose every row's suffix
 tree scores at least ``solo`` (SuffixDecoding's score: the sum of its nodes' path probabilities,
-the tokens it expects accepted) is the suffix trees alone, as SuffixDecoding's hybrid falls back
-to its model-based drafter only where the suffix tree scores low: the draft model's levels, most
-of a merged step's drafting cost, are skipped where the context already predicts a long
+the tokens it expects accepted) is the suffix trees alone, as hybrids of a suffix tree and a
+draft model pick one per step by the suffix tree's confidence: the draft model's levels, most of
+a merged step's drafting cost, are skipped where the context already predicts a long
 continuation. The draft model then runs nothing (:meth:`MergedDrafter.ran` is false for every
 node), so its state falls behind by the tokens accepted, which the loop runs as the next lead or
 catch-up (:meth:`MergedDrafter.wants_draft_model` tells it beforehand).
