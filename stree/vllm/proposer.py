@@ -437,7 +437,7 @@ class StreeProposer:
         pad = 0 if self.sizes is None or solo else next(s for s in self.sizes if s >= len(rids)) - len(rids)
         if _suffix(drafter) is not None:
             self.index.use([self.contexts[rid][0] for rid in rids] + [self.index.new_row([])] * pad)
-        if self.model is None or solo:  # each row's suffix tree scores the merge's solo: so do all
+        if self.model is None or solo:  # solo rows only: the merged drafter drafts their suffix trees alone
             d = drafter.draft(None, None, torch.tensor(roots), sampling)
         else:
             rows = [self.rows[rid] for rid in rids]
