@@ -18,7 +18,9 @@ and CUDA graphs keep the chains.
 Suffix trees (``"tree": "suffix:16"``) need no ``"model"``: no draft model is loaded, each request
 drafts from its own text and from the outputs of earlier requests (a cache bounded by
 ``"suffix_cache_requests"`` outputs and ``"suffix_cache_tokens"`` tokens; 0 requests: none);
-merged with a draft's tree (``"caterpillar:2,2,2+suffix:16"``) they need one.
+merged with a draft's tree (``"caterpillar:2,2,2+suffix:16"``) they need one. A config without
+a ``"tree"`` gets :func:`default_tree` (on a CPU the merged tree, or the suffix tree alone without
+a ``"model"``; on a GPU ``chain:4``).
 ``num_speculative_tokens`` is the drafter's largest tree less its root. ``"auto"`` is refused: it
 picks its tree from timings of stree's own decoding loop. vLLM's own
 ``num_speculative_tokens_per_batch_size`` schedule (``[[first, last, K], ...]`` over the number of
@@ -52,6 +54,8 @@ SUFFIX_SAMPLED = "suffix_sampled"
 # the draft model's dtype (see ``translate``)
 DRAFT_DTYPE = "draft_dtype"
 DRAFT_DTYPES = ("float32", "bfloat16")
+# the tree a config without one gets (see ``default_tree``)
+CPU_TREE, CPU_SUFFIX_TREE, GPU_TREE = "caterpillar:2,2,2+suffix:16:solo=4", "suffix:16", "chain:4"
 # keys of stree's dict; every other key is refused (no silent typos)
 KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE, "suffix_cache_requests",
         "suffix_cache_tokens", SUFFIX_SAMPLED, DRAFT_DTYPE}
@@ -68,7 +72,7 @@ class DraftSpec:
     rejection sampler (else stree verifies them like trees)."""
 
     model: str | None
-    tree: str = "chain:4"
+    tree: str
     verifier: str | None = None
     suffix_cache_requests: int = 1024
     suffix_cache_tokens: int = 1 << 18
@@ -123,6 +127,16 @@ class DraftSpec:
             raise RuntimeError(f"{PROPOSER} runs only through speculative_config={{'method': 'stree', ...}} "
                                f"({ENV} is not set)")
         return cls(**json.loads(raw))
+
+
+def default_tree(model: bool, cpu: bool) -> str:
+    """The tree of a config that names none: on a CPU, with a draft model, the draft's
+    ``caterpillar:2,2,2`` merged with a suffix tree that drafts alone where it scores 4 (the
+    fastest measured there, docs/vllm.md), without one ``suffix:16``; on a GPU ``chain:4``, which
+    vLLM's rejection sampler verifies (stree's tree path is unrun there)."""
+    if not cpu:
+        return GPU_TREE
+    return CPU_TREE if model else CPU_SUFFIX_TREE
 
 
 def draft_size(tree: str) -> int:
@@ -189,7 +203,8 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {unknown} for method 'stree' (known: {sorted(KEYS)})")
     verifier = config.get("verifier")
-    tree = str(config.get("tree", DraftSpec.tree))
+    tree = config.get("tree")
+    tree = default_tree(bool(config.get("model")), current_platform.is_cpu()) if tree is None else str(tree)
     k = draft_size(tree)
     if needs_model(tree) and not config.get("model"):
         raise ValueError(f"speculative_config: tree {tree!r} needs 'model', the draft checkpoint "

@@ -31,11 +31,14 @@ def test_equals_own_greedy(reference, spec, eager):
     assert 0 < s["vllm:spec_decode_num_accepted_tokens"] < s["vllm:spec_decode_num_draft_tokens"]
 
 
-def test_solo_merged_equals_own_greedy(reference):
-    """``caterpillar:2,2,2+suffix:16:solo=2``, compiled: a request whose suffix tree scores 2
-    drafts it alone, in a draft call of its own beside the others' (the draft model left behind
-    until it next runs); the output is exact."""
-    out = _run({**MERGED, "tree": MERGED["tree"] + ":solo=2"}, enforce_eager=False)
+@pytest.mark.parametrize("spec", [{**MERGED, "tree": MERGED["tree"] + ":solo=2"},
+                                  {k: v for k, v in MERGED.items() if k != "tree"}],
+                         ids=["solo=2", "default"])
+def test_solo_merged_equals_own_greedy(reference, spec):
+    """``caterpillar:2,2,2+suffix:16:solo=2``, and a CPU's default tree with a draft (``solo=4``),
+    compiled: a request whose suffix tree scores ``solo`` drafts it alone, in a draft call of its
+    own beside the others' (the draft model left behind until it next runs); the output is exact."""
+    out = _run(spec, enforce_eager=False)
     assert out["tokens"] == reference
     assert out["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
 

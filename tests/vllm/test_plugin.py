@@ -132,7 +132,7 @@ def _with_spec(spec: dict) -> str:
     ({"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2", "verifier": "asps"}, "needs a sampled chain"),
     ({"method": "stree", "model": DRAFT, "verifier": "bogus"}, "unknown verifier 'bogus'"),
     ({"method": "stree", "model": DRAFT, "num_speculative_tokens_per_batch_size": [[2, 4, 0]]}, "must start at 1"),
-    ({"method": "stree"}, "needs 'model'"),
+    ({"method": "stree", "tree": "chain:4"}, "needs 'model'"),
     ({"method": "stree", "model": "/nonexistent/draft"}, "not found"),
 ])
 def test_bad_stree_speculative_config_refused_at_start_up(spec, message):
@@ -215,6 +215,27 @@ def test_cpu_default_chains_are_verified_by_stree(monkeypatch):
     assert not verifies(chain)
     assert not verifies({**chain, "verifier": "sps"})
     assert verifies({**chain, "verifier": "asps"})
+
+
+def test_default_tree_is_the_fastest_measured_on_a_cpu(monkeypatch):
+    """A config without ``"tree"``: on a CPU the draft's caterpillar merged with a suffix tree
+    that drafts alone where it scores 4, or without a ``"model"`` the suffix tree alone; on a GPU
+    ``chain:4`` (vLLM's rejection sampler; stree's tree path is opt-in there). A named tree is
+    kept."""
+    from vllm.platforms import current_platform
+
+    from stree.vllm.speculative import ENV, DraftSpec, draft_size, translate
+
+    monkeypatch.setenv(ENV, "")
+    with_draft, without = {"method": "stree", "model": DRAFT}, {"method": "stree"}
+    for config, tree in [(with_draft, "caterpillar:2,2,2+suffix:16:solo=4"), (without, "suffix:16"),
+                         ({**with_draft, "tree": "chain:3"}, "chain:3")]:
+        out = translate(config, 4096)
+        assert DraftSpec.from_env().tree == tree
+        assert out["num_speculative_tokens"] == draft_size(tree)  # vLLM's K follows the default too
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    translate(with_draft, 4096)
+    assert DraftSpec.from_env().tree == "chain:4"
 
 
 def test_cpu_default_suffix_trees_draft_for_greedy_requests_only(monkeypatch):
