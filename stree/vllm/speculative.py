@@ -19,8 +19,8 @@ Suffix trees (``"tree": "suffix:16"``) need no ``"model"``: no draft model is lo
 drafts from its own text and from the outputs of earlier requests (a cache bounded by
 ``"suffix_cache_requests"`` outputs and ``"suffix_cache_tokens"`` tokens; 0 requests: none);
 merged with a draft's tree (``"caterpillar:2,2,2+suffix:16"``) they need one. A config without
-a ``"tree"`` gets :func:`default_tree` (on a CPU the merged tree, or the suffix tree alone without
-a ``"model"``; on a GPU ``chain:4``).
+a ``"tree"`` gets :func:`config_tree`'s default (on a CPU the merged tree, or the suffix tree
+alone without a ``"model"``; on a GPU ``chain:4``).
 ``num_speculative_tokens`` is the drafter's largest tree less its root. ``"auto"`` is refused: it
 picks its tree from timings of stree's own decoding loop. vLLM's own
 ``num_speculative_tokens_per_batch_size`` schedule (``[[first, last, K], ...]`` over the number of
@@ -54,8 +54,6 @@ SUFFIX_SAMPLED = "suffix_sampled"
 # the draft model's dtype (see ``translate``)
 DRAFT_DTYPE = "draft_dtype"
 DRAFT_DTYPES = ("float32", "bfloat16")
-# the tree a config without one gets (see ``default_tree``)
-CPU_TREE, CPU_SUFFIX_TREE, GPU_TREE = "caterpillar:2,2,2+suffix:16:solo=4", "suffix:16", "chain:4"
 # keys of stree's dict; every other key is refused (no silent typos)
 KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE, "suffix_cache_requests",
         "suffix_cache_tokens", SUFFIX_SAMPLED, DRAFT_DTYPE}
@@ -129,14 +127,17 @@ class DraftSpec:
         return cls(**json.loads(raw))
 
 
-def default_tree(model: bool, cpu: bool) -> str:
-    """The tree of a config that names none: on a CPU, with a draft model, the draft's
-    ``caterpillar:2,2,2`` merged with a suffix tree that drafts alone where it scores 4 (the
-    fastest measured there, docs/vllm.md), without one ``suffix:16``; on a GPU ``chain:4``, which
-    vLLM's rejection sampler verifies (stree's tree path is unrun there)."""
+def config_tree(config: dict, cpu: bool) -> str:
+    """The tree spec of stree's speculative dict: its ``"tree"``, or where it names none, on a
+    CPU with a draft model the draft's ``caterpillar:2,2,2`` merged with a suffix tree that drafts
+    alone where it scores 4 (the fastest measured there, docs/vllm.md), without one ``suffix:16``;
+    on a GPU ``chain:4``, which vLLM's rejection sampler verifies (stree's tree path is unrun
+    there)."""
+    if config.get("tree") is not None:
+        return str(config["tree"])
     if not cpu:
-        return GPU_TREE
-    return CPU_TREE if model else CPU_SUFFIX_TREE
+        return "chain:4"
+    return "caterpillar:2,2,2+suffix:16:solo=4" if config.get("model") else "suffix:16"
 
 
 def draft_size(tree: str) -> int:
@@ -203,8 +204,7 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {unknown} for method 'stree' (known: {sorted(KEYS)})")
     verifier = config.get("verifier")
-    tree = config.get("tree")
-    tree = default_tree(bool(config.get("model")), current_platform.is_cpu()) if tree is None else str(tree)
+    tree = config_tree(config, current_platform.is_cpu())
     k = draft_size(tree)
     if needs_model(tree) and not config.get("model"):
         raise ValueError(f"speculative_config: tree {tree!r} needs 'model', the draft checkpoint "

@@ -39,12 +39,12 @@ def every_step(engine: dict) -> dict:
     request runs alone and only for greedy requests from suffix trees, and the engine tests are
     about batches of trees under every sampling setting (the defaults themselves:
     tests/vllm/test_plugin.py)."""
-    from stree.vllm.speculative import SCHEDULE, SUFFIX_SAMPLED, default_tree, draft_size
+    from stree.vllm.speculative import SCHEDULE, SUFFIX_SAMPLED, config_tree, draft_size
 
     spec = engine.get("speculative_config")
     if not spec or spec.get("method") != "stree":
         return engine
-    k = draft_size(str(spec.get("tree") or default_tree(bool(spec.get("model")), cpu=True)))
+    k = draft_size(config_tree(spec, cpu=True))
     return {**engine, "speculative_config": {SCHEDULE: [[1, 1 << 10, k]], SUFFIX_SAMPLED: True, **spec}}
 
 
