@@ -181,7 +181,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     b = len(prompts)
     side = (_UnrolledTarget(target, b, drafter.max_leaves, seqlen) if method == "unrolled"
             else _PackedTarget(target, b, seqlen))
-    drafting = _DraftSide(draft if drafter.uses_draft_model else None, drafter, b, seqlen, stats)
+    drafting = _DraftSide(draft if drafter.uses_draft_model else None, drafter, b, seqlen, stats, compile)
     with torch.inference_mode(), (capture.compiled(target, drafting.model) if compile
                                    else contextlib.nullcontext()):
         new = _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, generator,
@@ -315,14 +315,19 @@ class _DraftSide:
     tokens the draft never ran (accepted suffix-tree nodes, steps drafted without the model, and
     where the drafter takes a lead the accepted nodes of its never-run deepest level), which the
     next draft runs as its lead (in its roots' pass) or, where it takes none or the backlog is
-    longer than ``MAX_LEAD``, which is prefilled in one call when the model next drafts."""
+    longer than ``MAX_LEAD``, which is prefilled in one call when the model next drafts.
+
+    Compiled (``compile``), a draft that takes a lead has a graph with a lead beside the one
+    without; both are compiled at the first draft, so that the first step whose draft is behind
+    (usually the first with every node accepted) does not stop to compile mid-generation."""
 
     def __init__(self, model, drafter: Drafter, batch_size: int, max_seqlen: int,
-                 stats: GenerationStats):
+                 stats: GenerationStats, compile: bool = False):
         self.model, self.drafter, self.stats = model, drafter, stats
         self.cache = None if model is None else model.allocate_tree_cache(batch_size, max_seqlen)
         self.backlog: list[list[int]] = [[] for _ in range(batch_size)]
         self.takes_lead = False  # whether drafts take a lead (set by draft: it depends on the sampling)
+        self.unwarmed = compile  # the lead's graph is still to be compiled (see above)
 
     def prefill(self, prompts: list[Tensor]) -> None:
         if self.model is not None:  # the draft's state only: its logits are not read
@@ -332,6 +337,8 @@ class _DraftSide:
 
     def draft(self, roots: Tensor, sampling: SamplingConfig, generator):
         self.takes_lead = self.model is not None and self.drafter.takes_lead(self.model, sampling)
+        if self.unwarmed and self.takes_lead:
+            self._warm_lead(roots, sampling)
         lead = None
         if self.model is not None and any(self.backlog) and self.drafter.wants_draft_model(roots):
             if self.takes_lead and max(map(len, self.backlog)) <= MAX_LEAD:  # committed with the next commit
@@ -374,6 +381,18 @@ class _DraftSide:
             tokens = tree.path_tokens(path).tolist()
             for r, (j, c) in enumerate(zip(runs, counts)):
                 self.backlog[r].extend(tokens[r][j:c])
+
+    def _warm_lead(self, roots: Tensor, sampling: SamplingConfig) -> None:
+        """Compile the draft's graph with a one-token lead (the usual lead: the accepted node of
+        a never-run deepest level) on a scratch cache of the same shapes; a generator of its own
+        leaves the request's random stream as it was."""
+        self.unwarmed = False
+        b, device = roots.shape[0], roots.device
+        scratch = self.model.allocate_tree_cache(b, self.cache.max_seqlen)
+        self.model.prefill(torch.zeros(b, 2, dtype=torch.long, device=device), scratch, logits=False)
+        generator = None if sampling.is_greedy else torch.Generator(device).manual_seed(0)
+        self.drafter.draft(self.model, scratch, roots, sampling, generator,
+                           lead=torch.zeros(b, 1, dtype=torch.long, device=device))
 
     def _catch_up(self) -> None:
         """Prefill every row's backlog (the tokens committed since the draft last ran)."""

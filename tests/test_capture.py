@@ -166,6 +166,26 @@ def test_generate_compiled_greedy_tokens_equal_eager(monkeypatch, drafter):
     assert compiled.stats.target_calls == eager.stats.target_calls
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_draft_compiles_its_lead_graph_at_its_first_draft(monkeypatch, temperature):
+    """A draft that takes a lead (an attention-free draft behind by its never-run deepest level's
+    accepted node) has a second graph; ``generate(compile=True)`` compiles it with the first, so
+    that no later step stops to compile: a draft identical to the target (every node accepted,
+    so every later draft has a lead) compiles nothing after the first call's first draft, greedy
+    (one graph for the whole draft) or sampled (a graph per level)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    target, draft = (stree.patch(make_hybrid((), seed=11)) for _ in range(2))  # the same weights
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(drafter="caterpillar:2,2,2", compile=True, temperature=temperature)
+    stree.generate(target, draft, prompt, max_new_tokens=2, **kw)  # one step: its draft compiles
+    graphs = counters["stats"]["unique_graphs"]
+    out = stree.generate(target, draft, prompt, max_new_tokens=24, **kw)
+    assert out.stats.accept_hist.get(4, 0) >= out.stats.target_calls - 1 >= 2  # every node accepted: leads
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compile_refuses_dynamic_drafters():
     with pytest.raises(ValueError, match="compile=True needs a fixed tree template"):
         stree.generate(_model(), _model(), torch.tensor([[1, 2]]), 4, drafter="dyspec:8",
