@@ -169,7 +169,7 @@ class TreeDecodingMixin:
 
     @torch.inference_mode()
     def draft_levels(self, tokens: torch.Tensor, cache: TreeCache, levels: list, pick,
-                     lead: torch.Tensor | None = None) -> torch.Tensor:
+                     lead: torch.Tensor | None = None, extra: tuple | None = None) -> torch.Tensor:
         """A tree drafted level by level in one step: what ``level_forward`` over each level in
         turn does, with the drafter's choice of children between the levels, as one call (one
         compiled graph under compiled steps: no host work between the levels).
@@ -182,7 +182,9 @@ class TreeDecodingMixin:
                 the nodes ``start .. end - 1`` the level runs.
             pick: ``pick(d, logits (b, end - start, vocab), tokens)`` writes the children of
                 level ``d``'s nodes into ``tokens`` in place (a function of tensors only, so that
-                a compiled step traces it).
+                a compiled step traces it); called ``pick(d, logits, tokens, extra)`` where
+                ``extra`` is given (tensors of the call the choice reads or writes in place: a
+                sampled draft's random numbers, its temperature, the buffer of its distributions).
             lead: ``(b, c)`` int64 host tensor or None: per row the tokens between the committed
                 state and the root that the model has not run (a node of its last tree it never
                 forwarded, tokens of a merged tree's other part), in its last columns, -1 before
@@ -205,7 +207,7 @@ class TreeDecodingMixin:
                                 torch.arange(start, end, device=tokens.device).expand(b, -1))
                   for tree, start, end in levels]
         spans = tuple((start, end) for _, start, end in levels)
-        out = steps.levels(self, tokens, cache.states(mamba=False), pending.layers, inputs, spans, pick, lead)
+        out = steps.levels(self, tokens, cache.states(mamba=False), pending.layers, inputs, spans, pick, lead, extra)
         _forwarded(cache, pending, levels[-1][0])
         pending.lead = lead_counts
         return out

@@ -51,11 +51,13 @@ class SamplingConfig:
 _FP32_TINY = torch.finfo(torch.float32).tiny
 
 
-def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+def target_probs(logits: Tensor, sampling: SamplingConfig, temperature: Tensor | None = None) -> Tensor:
     """Probabilities the target samples from.
 
     logits: (..., v) any float dtype. Returns (..., v) float32 summing to 1 along the last dim.
     Greedy configs give a one-hot argmax (first index on ties, like ``torch.argmax``).
+    ``temperature``: a 0-d tensor used in place of ``sampling.temperature`` (of a sampled config),
+    so that a compiled step takes it as an input and one graph serves every temperature.
     """
     logits = logits.float()
     if sampling.is_greedy:
@@ -64,7 +66,8 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     # temperature sends the others to -inf (the greedy limit) instead of overflowing to inf - inf;
     # a temperature below fp32's smallest normal number (0 in fp32: 0 / 0) divides as that number,
     # which is already that limit for any two logits fp32 can tell apart
-    logits = (logits - logits.amax(-1, keepdim=True)) / max(sampling.temperature, _FP32_TINY)
+    scale = max(sampling.temperature, _FP32_TINY) if temperature is None else temperature.clamp_min(_FP32_TINY)
+    logits = (logits - logits.amax(-1, keepdim=True)) / scale
     v = logits.shape[-1]
     if 0 < sampling.top_k < v:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -88,8 +91,9 @@ def sample(logits: Tensor, sampling: SamplingConfig,
     return sample_from(target_probs(logits, sampling), generator)
 
 
-def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def sample_from(weights: Tensor, generator: torch.Generator | None = None, u: Tensor | None = None) -> Tensor:
     """One draw per row from non-negative, maybe unnormalised ``weights`` (..., v) -> (...) int64.
+    ``u``: the draw's uniforms ``(..., 1)`` float64, drawn beforehand (:func:`uniforms`), else drawn here.
 
     Inverse CDF: one uniform per row against the running sum of the weights, in float64 (a
     100k-token vocabulary keeps its smallest weights). Exact up to rounding, needs no
@@ -101,8 +105,14 @@ def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> Te
     """
     cdf = weights.double().cumsum(-1)
     total = cdf[..., -1:]
-    u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator)
+    if u is None:
+        u = uniforms(total.shape, cdf.device, generator)
     # u * total can round up to total: stay strictly below it
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
     return torch.where(total.squeeze(-1) > 0, idx, 0)
+
+
+def uniforms(shape, device, generator: torch.Generator | None = None) -> Tensor:
+    """The uniforms :func:`sample_from` draws for weights of shape ``shape[:-1] + (v,)``."""
+    return torch.rand(shape, dtype=torch.float64, device=device, generator=generator)

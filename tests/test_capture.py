@@ -123,6 +123,36 @@ def test_compiled_greedy_draft_is_one_graph_matching_eager(monkeypatch, spec, le
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_sampled_draft_is_one_graph_for_every_temperature(monkeypatch):
+    """A sampled static draft (its random numbers drawn first, its temperature a tensor) through
+    one fullgraph capture: the eager draft's tokens and distributions from the same generator,
+    and no new graph for another temperature."""
+    from torch._dynamo.utils import counters
+
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model = _model()
+    drafter = parse_drafter("caterpillar:2,2,2")
+
+    def draft(temperature):
+        return drafter.draft(model, _prefilled(model), torch.tensor([5, 6]), SamplingConfig(temperature),
+                             torch.Generator().manual_seed(2))
+
+    eager = [draft(t) for t in (0.8, 1.5)]
+    with capture.compiled(model):
+        first = draft(0.8)
+        graphs = counters["stats"]["unique_graphs"]
+        compiled = [first, draft(1.5)]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert capture.compiled_steps(model).levels.fn is not levels_step
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c.tree.tokens, e.tree.tokens)
+        torch.testing.assert_close(c.q, e.q, rtol=1e-4, atol=1e-5)
+
+
 def test_compiled_steps_over_a_state_pool(monkeypatch):
     """Rows in scattered slots of a state pool (Mamba2 states gathered, K/V indexed in place by
     the slots, a device tensor) through the same fullgraph capture: the eager identity cache's

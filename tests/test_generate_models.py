@@ -192,9 +192,9 @@ def test_a_sampled_static_draft_with_a_lead_draws_what_it_draws_after_a_catch_up
 
     target, draft = mamba_pair
     leads = []
-    level_forward = draft.level_forward
-    monkeypatch.setattr(draft, "level_forward", lambda *a, lead=None, **k: leads.append(lead) or level_forward(
-        *a, lead=lead, **k))
+    draft_levels = draft.draft_levels
+    monkeypatch.setattr(draft, "draft_levels", lambda tokens, cache, levels, pick, lead=None, *extra: leads.append(
+        lead) or draft_levels(tokens, cache, levels, pick, lead, *extra))
 
     def run():
         return stree.generate(target, draft, PROMPTS, 64, temperature=1.0, drafter="caterpillar:2,2,2",

@@ -192,6 +192,53 @@ def test_greedy_draft_in_one_call_picks_the_oracle_top_children(attn_layers, spe
         check_states(model, cache, oracles[r], row=r)
 
 
+class _LevelByLevel:
+    """A patched model seen without ``draft_levels``: static drafts run level by level."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        if name == "draft_levels":
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+@pytest.mark.parametrize("attn_layers", [(), (1,)], ids=["mamba-only", "hybrid"])
+@pytest.mark.parametrize("spec,sampling", [
+    ("caterpillar:3,2,2", dict(temperature=1.0)),  # children without replacement (the exponential race)
+    ("static:2,3", dict(temperature=0.7, top_k=40, top_p=0.9)),
+    ("chain:3", dict(temperature=1.3))], ids=["without-replacement", "filtered", "chain"])
+def test_a_sampled_draft_in_one_call_draws_what_level_by_level_draws(attn_layers, spec, sampling):
+    """A sampled static draft runs all its levels in one ``draft_levels`` call, its random
+    numbers drawn first: from the same generator it draws the tokens the level-by-level draft
+    draws (whose draws are the distribution's: tests/test_verify_distribution.py) and reports
+    the same distributions, and leaves the same state to commit."""
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    torch.manual_seed(5)
+    model = stree.patch(make_hybrid(attn_layers, seed=13))
+    drafter, config = parse_drafter(spec), SamplingConfig(**sampling)
+    prompts = [[3, 9, 4], [7, 1, 2, 8, 5]]
+    drafts = []
+    for runner in (model, _LevelByLevel(model)):
+        cache, _ = _prefilled(model, prompts)
+        forward = model.level_forward
+        if runner is model:
+            model.level_forward = lambda *a, **k: pytest.fail("a sampled static draft ran level by level")
+        draft = drafter.draft(runner, cache, torch.tensor([5, 6]), config, torch.Generator().manual_seed(9))
+        model.level_forward = forward
+        path = torch.tensor([[0, 1], [0, -1]])
+        assert commit_draft(model, cache, draft.tree, path, [2, 1], [1, 0], drafter.ran)
+        drafts.append((draft, [t.clone() for c in cache.layers.values() for t in vars(c).values()]))
+    (one, one_state), (levels, levels_state) = drafts
+    assert torch.equal(one.tree.tokens, levels.tree.tokens) and one.mode == levels.mode
+    torch.testing.assert_close(one.q, levels.q, rtol=0, atol=1e-6)
+    for a, b in zip(one_state, levels_state):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("spec", ["caterpillar:3,2,2", "chain:3"])
 @pytest.mark.parametrize("leads", [[[11], [4]], [[11, 12, 2], []], [[], [8, 1]]], ids=["one-each", "ragged", "second"])
 def test_a_lead_runs_in_the_roots_pass_as_token_by_token_decoding(spec, leads):

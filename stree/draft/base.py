@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from stree.draft_types import Draft
-from stree.sampling import SamplingConfig, sample_from, target_probs
+from stree.sampling import SamplingConfig, sample_from, target_probs, uniforms
 from stree.tree import TokenTree
 
 # Modes a drafter with sampled children can run in, see ``Draft.mode``.
@@ -157,7 +157,8 @@ class Drafter(ABC):
 
 
 def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfig,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                  generator: torch.Generator | None = None, noise: Tensor | None = None,
+                  temperature: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Choose ``count`` child tokens below each frontier node.
 
     Args:
@@ -165,6 +166,9 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
         mode: "deterministic" (top-``count`` of the logits: the draft's own ranking, whatever the
             temperature), "iid" / "chain" (i.i.d. draws from q), "without_replacement" (sequential
             draws without replacement from q; draft order = draw order).
+        noise: the random numbers the choice takes, drawn beforehand (:func:`child_noise`, so
+            that a compiled draft takes them as an input), else drawn here from ``generator``.
+        temperature: a 0-d tensor for ``sampling.temperature`` (see :func:`target_probs`).
     Returns:
         tokens ``(b, w, count)`` int64 in draft order, and q ``(b, w, v)`` float32 =
         ``target_probs(logits, sampling)``, the distribution sampled children came from (None at
@@ -172,21 +176,34 @@ def pick_children(logits: Tensor, count: int, mode: str, sampling: SamplingConfi
     """
     if mode == "deterministic":
         # at greedy sampling no verifier reads q (it is None): nothing to compute
-        q = None if sampling.is_greedy else target_probs(logits, sampling)
+        q = None if sampling.is_greedy else target_probs(logits, sampling, temperature)
         return logits.topk(count, dim=-1).indices, q
     if mode in ("iid", "chain") and sampling.is_greedy:  # every draw is the argmax
         return logits.argmax(-1, keepdim=True).expand(*logits.shape[:-1], count), None
-    q = target_probs(logits, sampling)
+    if mode not in SAMPLED_MODES + ("chain",):
+        raise ValueError(f"unknown draft mode {mode!r}")
+    q = target_probs(logits, sampling, temperature)
+    if noise is None:
+        noise = child_noise(mode, sampling, q.shape, count, q.device, generator)
     if mode in ("iid", "chain"):
-        return sample_from(q.unsqueeze(-2).expand(*q.shape[:-1], count, q.shape[-1]), generator), q
-    if mode == "without_replacement":
-        # Exponential race: ordering q_i / E_i (E_i ~ Exp(1)) descending is a sequential sample
-        # without replacement (Gumbel-top-k in another guise). If q has fewer than ``count``
-        # tokens in its support the extra children get q == 0 tokens, which MSS always rejects.
-        e = torch.empty_like(q).exponential_(generator=generator)
-        return (q / e.clamp_min(torch.finfo(q.dtype).tiny)).topk(count, dim=-1).indices, q
-    raise ValueError(f"unknown draft mode {mode!r}")
+        return sample_from(q.unsqueeze(-2).expand(*q.shape[:-1], count, q.shape[-1]), u=noise), q
+    # Exponential race: ordering q_i / E_i (E_i ~ Exp(1)) descending is a sequential sample
+    # without replacement (Gumbel-top-k in another guise). If q has fewer than ``count``
+    # tokens in its support the extra children get q == 0 tokens, which MSS always rejects.
+    return (q / noise.clamp_min(torch.finfo(q.dtype).tiny)).topk(count, dim=-1).indices, q
 
+
+def child_noise(mode: str, sampling: SamplingConfig, shape, count: int, device,
+                generator: torch.Generator | None = None) -> Tensor | None:
+    """The random numbers :func:`pick_children` takes to choose ``count`` children below each of
+    the nodes whose logits have shape ``shape = (b, w, v)``: None where the choice is not random,
+    ``(b, w, count, 1)`` float64 uniforms for i.i.d. and chain children (one inverse-CDF draw
+    each), ``(b, w, v)`` fp32 exponentials for children without replacement (the race)."""
+    if mode == "deterministic" or (mode in ("iid", "chain") and sampling.is_greedy):
+        return None
+    if mode in ("iid", "chain"):
+        return uniforms((*shape[:-1], count, 1), device, generator)
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
 
 
 # ------------------------------------------------------------------ the per-level mechanism

@@ -16,8 +16,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from stree.draft.base import SAMPLED_MODES, Drafter, forward_level, pick_children
+from stree.draft.base import SAMPLED_MODES, Drafter, child_noise, forward_level, pick_children
 from stree.draft_types import Draft
+from stree.inputs import vocab_size
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree, level_runs, parents_from_widths
 
@@ -96,14 +97,16 @@ class StaticTreeDrafter(Drafter):
             self._templates[key] = TokenTree(tokens, self.parents[:e])
         return self._templates[key].with_tokens(tokens, trusted=True)
 
-    def _greedy_pick(self, mode: str):
-        """The ``pick`` of ``draft_levels`` at greedy sampling (one per mode, kept: a compiled
-        step guards on it)."""
-        key = ("pick", mode)
+    def _pick(self, mode: str, sampling: SamplingConfig):
+        """The ``pick`` of ``draft_levels`` (one per mode and sampling config less its temperature,
+        which the draft passes as a tensor: kept, since a compiled step guards on it)."""
+        shape = sampling if sampling.is_greedy else replace(sampling, temperature=1.0)
+        key = ("pick", mode, shape)
         if key not in self._templates:
-            plan = tuple((self._fanout[d], cs, ce, self._parent_col[cs:ce], self._rank[cs:ce])
+            plan = tuple((self._fanout[d], cs, ce, self._parent_col[cs:ce], self._rank[cs:ce],
+                          self._bounds[d][0], self._run_end[d])
                          for d, (cs, ce) in enumerate(self._bounds[1:]))
-            self._templates[key] = functools.partial(_place_children, plan, mode)
+            self._templates[key] = functools.partial(_place_children, plan, mode, shape)
         return self._templates[key]
 
     @classmethod
@@ -154,14 +157,8 @@ class StaticTreeDrafter(Drafter):
 
     # ------------------------------------------------------------------------------------- draft
     def takes_lead(self, model, sampling: SamplingConfig) -> bool:
-        # in the roots' pass: the one call of a greedy draft, the first level of a sampled one
+        # in the roots' pass (the first level of its draft's one call)
         return getattr(model, "runs_lead", False)
-
-    def _one_call(self, model, sampling: SamplingConfig) -> bool:
-        """Whether the draft runs as one ``draft_levels`` call: at greedy sampling, where
-        nothing random is drawn, every level and every choice of children in one step."""
-        return (sampling.is_greedy and self.modes(sampling)[0] != "without_replacement"
-                and hasattr(model, "draft_levels"))
 
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None, lead: Tensor | None = None) -> Draft:
@@ -170,10 +167,8 @@ class StaticTreeDrafter(Drafter):
         b, n = roots.shape[0], self.num_nodes
         tokens = torch.zeros(b, n, dtype=torch.long, device=device)
         tokens[:, 0] = roots
-        if self._one_call(model, sampling):
-            levels = [(self.tree(tokens[:, :e]), self._bounds[d][0], e) for d, e in enumerate(self._run_end)]
-            return Draft(self.tree(model.draft_levels(tokens, cache, levels, self._greedy_pick(mode), lead)),
-                         None, mode)
+        if hasattr(model, "draft_levels"):  # every level and every choice of children in one call
+            return self._one_call(model, cache, tokens, mode, sampling, generator, lead)
         parent_col = torch.tensor(self._parent_col, device=device)
         rank = torch.tensor(self._rank, device=device)
         q = None
@@ -188,14 +183,40 @@ class StaticTreeDrafter(Drafter):
             tokens[:, cs:ce] = picks[:, parent_col[cs:ce], rank[cs:ce]]
         return Draft(self.tree(tokens), q, mode)
 
+    def _one_call(self, model, cache, tokens: Tensor, mode: str, sampling: SamplingConfig,
+                  generator: torch.Generator | None, lead: Tensor | None) -> Draft:
+        """The draft as one ``draft_levels`` call (one compiled graph under compiled steps: no
+        host work between the levels). A sampled draft draws the random numbers of every level's
+        choice first (what the level-by-level draft draws, level by level) and passes them in with
+        its temperature as a tensor and the ``(b, n, v)`` buffer its distributions fill."""
+        b, n = tokens.shape
+        levels = [(self.tree(tokens[:, :e]), self._bounds[d][0], e) for d, e in enumerate(self._run_end)]
+        vocab = vocab_size(model)
+        noise = [child_noise(mode, sampling, (b, e - s, vocab), self._fanout[d], tokens.device, generator)
+                 for d, (_, s, e) in enumerate(levels)]
+        q = None if sampling.is_greedy else torch.zeros(b, n, vocab, dtype=torch.float32, device=tokens.device)
+        extra = None
+        if q is not None or any(x is not None for x in noise):
+            extra = (noise, torch.tensor(sampling.temperature, device=tokens.device), q)
+        pick = self._pick(mode, sampling)
+        drafted = (model.draft_levels(tokens, cache, levels, pick, lead) if extra is None
+                   else model.draft_levels(tokens, cache, levels, pick, lead, extra))
+        return Draft(self.tree(drafted), q, mode)
 
-GREEDY = SamplingConfig()
 
 
-def _place_children(plan: tuple, mode: str, d: int, logits: Tensor, tokens: Tensor) -> None:
-    """Level ``d``'s greedy choice (``pick_children`` at greedy sampling) written in place into
-    ``tokens``: the children layer ``cs .. ce`` of ``plan[d] = (fanout, cs, ce, parent columns,
-    sibling ranks)``."""
-    fanout, cs, ce, cols, ranks = plan[d]
-    picks, _ = pick_children(logits, fanout, mode, GREEDY)
+def _place_children(plan: tuple, mode: str, sampling: SamplingConfig, d: int, logits: Tensor,
+                    tokens: Tensor, extra: tuple | None = None) -> None:
+    """Level ``d``'s choice (``pick_children``) written in place into ``tokens``: the children
+    layer ``cs .. ce`` of ``plan[d] = (fanout, cs, ce, parent columns, sibling ranks, s, e)``
+    below the nodes ``s .. e - 1``. ``extra``: None (a choice with nothing random and no
+    distribution read), or ``(noise per level, temperature (0-d), q (b, n, v) or None)``: the
+    choice's random numbers, the temperature replacing ``sampling``'s, and the buffer that
+    receives the distributions the children were drawn from (rows ``s .. e - 1``)."""
+    fanout, cs, ce, cols, ranks, s, e = plan[d]
+    noise, temperature, q = extra if extra is not None else (None, None, None)
+    picks, probs = pick_children(logits, fanout, mode, sampling, noise=None if noise is None else noise[d],
+                                 temperature=temperature)
+    if q is not None:
+        q[:, s:e] = probs
     tokens[:, cs:ce] = picks[:, list(cols), list(ranks)]
