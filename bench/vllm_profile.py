@@ -2,7 +2,8 @@
 
     scripts/venv-vllm python bench/vllm_profile.py --methods ar stree-tree stree-suffix
 
-One in-process engine per method (vLLM's default compiled mode, greedy, the first ``--limit``
+One in-process engine per method (vLLM's default compiled mode, greedy or sampled at
+``--temperature`` with a seed per prompt, the first ``--limit``
 HumanEval prompts ``--batch`` at a time (default 1), after warm-up requests at that batch), with
 wall-clock timers wrapped around the engine's step and the parts of it that stree adds or replaces: the model runner's input
 preparation (with stree's tree tables), the model forward (with the tree rows of the registered
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1, help="prompts submitted together (at most 4)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (seeded per prompt)")
     parser.add_argument("--method", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.method is None:  # one child process per method: one engine per process
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, where the timers are
         for method in args.methods:
             code = subprocess.run([sys.executable, __file__, "--method", method, "--limit", str(args.limit),
-                                   "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.batch)],
+                                   "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.batch),
+                                   "--temperature", str(args.temperature)],
                                   env=env).returncode
             if code:
                 return code
@@ -99,13 +102,15 @@ def main(argv=None) -> int:
         config = {k: (str(ROOT / "models/stree-tiny/draft") if v == "{draft}" else v) for k, v in config.items()}
     llm = LLM(model=str(ROOT / "models/stree-tiny/target"), dtype="float32", max_model_len=1024, max_num_seqs=4,
               seed=0, kv_cache_memory_bytes=1 << 29, speculative_config=config)
-    params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
     llm.generate([bench.WARM_UP] * args.batch, params, use_tqdm=False)  # the batch's one-time costs untimed
     acc = _timers()
     tokens = 0
     prompts = load_prompts("humaneval", args.limit)
     for i in range(0, len(prompts), args.batch):
-        outputs = llm.generate(prompts[i:i + args.batch], params, use_tqdm=False)
+        seeded = [SamplingParams(temperature=args.temperature, seed=i + j, max_tokens=args.max_new_tokens)
+                  for j in range(len(prompts[i:i + args.batch]))]
+        outputs = llm.generate(prompts[i:i + args.batch], seeded, use_tqdm=False)
         tokens += sum(len(out.outputs[0].token_ids) for out in outputs)
     steps = acc["engine step"][1]
     print(f"\n{args.method}: {tokens} tokens in {steps} engine steps ({tokens / steps:.2f} tokens per step)")
