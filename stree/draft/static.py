@@ -204,7 +204,6 @@ class StaticTreeDrafter(Drafter):
         return Draft(self.tree(drafted), q, mode)
 
 
-
 def _place_children(plan: tuple, mode: str, sampling: SamplingConfig, d: int, logits: Tensor,
                     tokens: Tensor, extra: tuple | None = None) -> None:
     """Level ``d``'s choice (``pick_children``) written in place into ``tokens``: the children
