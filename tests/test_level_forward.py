@@ -207,8 +207,8 @@ class _LevelByLevel:
 @pytest.mark.parametrize("attn_layers", [(), (1,)], ids=["mamba-only", "hybrid"])
 @pytest.mark.parametrize("spec,sampling", [
     ("caterpillar:3,2,2", dict(temperature=1.0)),  # children without replacement (the exponential race)
-    ("static:2,3", dict(temperature=0.7, top_k=40, top_p=0.9)),
-    ("chain:3", dict(temperature=1.3))], ids=["without-replacement", "filtered", "chain"])
+    ("static:2,3", dict(temperature=0.7)),
+    ("chain:3", dict(temperature=1.3))], ids=["without-replacement", "static", "chain"])
 def test_a_sampled_draft_in_one_call_draws_what_level_by_level_draws(attn_layers, spec, sampling):
     """A sampled static draft runs all its levels in one ``draft_levels`` call, its random
     numbers drawn first: from the same generator it draws the tokens the level-by-level draft
@@ -237,6 +237,21 @@ def test_a_sampled_draft_in_one_call_draws_what_level_by_level_draws(attn_layers
     torch.testing.assert_close(one.q, levels.q, rtol=0, atol=1e-6)
     for a, b in zip(one_state, levels_state):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_k=40), dict(temperature=1.0, top_p=0.9)])
+def test_a_sampled_draft_under_top_k_or_top_p_runs_level_by_level(sampling):
+    """Top-k and top-p stay out of the one call (they would be constants of its compiled graph:
+    a compile for every setting a request brings): such a draft runs level by level."""
+    from stree.draft import parse_drafter
+    from stree.sampling import SamplingConfig
+
+    model = stree.patch(make_hybrid((), seed=13))
+    cache, _ = _prefilled(model, [[3, 9, 4], [7, 1, 2, 8, 5]])
+    model.draft_levels = lambda *a, **k: pytest.fail("a filtered sampled draft ran in one call")
+    draft = parse_drafter("caterpillar:2,2").draft(model, cache, torch.tensor([5, 6]), SamplingConfig(**sampling),
+                                                   torch.Generator().manual_seed(1))
+    assert draft.q is not None and torch.allclose(draft.q[:, :2].sum(-1), torch.ones(2, 2))
 
 
 @pytest.mark.parametrize("spec", ["caterpillar:3,2,2", "chain:3"])

@@ -97,10 +97,10 @@ class StaticTreeDrafter(Drafter):
             self._templates[key] = TokenTree(tokens, self.parents[:e])
         return self._templates[key].with_tokens(tokens, trusted=True)
 
-    def _pick(self, mode: str, sampling: SamplingConfig):
-        """The ``pick`` of ``draft_levels`` (one per mode and sampling config less its temperature,
-        which the draft passes as a tensor: kept, since a compiled step guards on it)."""
-        shape = sampling if sampling.is_greedy else replace(sampling, temperature=1.0)
+    def _pick(self, mode: str, greedy: bool):
+        """The ``pick`` of ``draft_levels`` (one per mode, greedy or sampled: a sampled draft passes
+        its temperature as a tensor; kept, since a compiled step guards on it)."""
+        shape = SamplingConfig() if greedy else SamplingConfig(1.0)
         key = ("pick", mode, shape)
         if key not in self._templates:
             plan = tuple((self._fanout[d], cs, ce, self._parent_col[cs:ce], self._rank[cs:ce],
@@ -167,7 +167,9 @@ class StaticTreeDrafter(Drafter):
         b, n = roots.shape[0], self.num_nodes
         tokens = torch.zeros(b, n, dtype=torch.long, device=device)
         tokens[:, 0] = roots
-        if hasattr(model, "draft_levels"):  # every level and every choice of children in one call
+        # every level and every choice of children in one call; not under top-k or top-p, which
+        # would be constants of its graph (a compile for every setting a request brings)
+        if hasattr(model, "draft_levels") and (sampling.is_greedy or (sampling.top_k, sampling.top_p) == (0, 1.0)):
             return self._one_call(model, cache, tokens, mode, sampling, generator, lead)
         parent_col = torch.tensor(self._parent_col, device=device)
         rank = torch.tensor(self._rank, device=device)
@@ -198,7 +200,7 @@ class StaticTreeDrafter(Drafter):
         extra = None
         if q is not None or any(x is not None for x in noise):
             extra = (noise, torch.tensor(sampling.temperature, device=tokens.device), q)
-        pick = self._pick(mode, sampling)
+        pick = self._pick(mode, sampling.is_greedy)
         drafted = (model.draft_levels(tokens, cache, levels, pick, lead) if extra is None
                    else model.draft_levels(tokens, cache, levels, pick, lead, extra))
         return Draft(self.tree(drafted), q, mode)
