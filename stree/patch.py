@@ -180,11 +180,9 @@ class TreeDecodingMixin:
             levels: per level ``(tree, start, end)``: the tree drafted so far (a prefix of the
                 whole tree ending with this level; its structure is read, not its tokens) and
                 the nodes ``start .. end - 1`` the level runs.
-            pick: ``pick(d, logits (b, end - start, vocab), tokens)`` writes the children of
-                level ``d``'s nodes into ``tokens`` in place (a function of tensors only, so that
-                a compiled step traces it); called ``pick(d, logits, tokens, extra)`` where
-                ``extra`` is given (tensors of the call the choice reads or writes in place: a
-                sampled draft's random numbers, its temperature, the buffer of its distributions).
+            pick: ``pick(d, logits (b, end - start, vocab), tokens, extra)`` writes the children
+                of level ``d``'s nodes into ``tokens`` in place (a function of tensors only, so
+                that a compiled step traces it).
             lead: ``(b, c)`` int64 host tensor or None: per row the tokens between the committed
                 state and the root that the model has not run (a node of its last tree it never
                 forwarded, tokens of a merged tree's other part), in its last columns, -1 before
@@ -192,6 +190,9 @@ class TreeDecodingMixin:
                 (attention-free models only, see :attr:`runs_lead`), and are committed with the
                 next ``cache.commit`` of a non-empty path, before it (an empty path commits
                 neither).
+            extra: passed to ``pick``: None, or tensors of the call the choice reads or writes in
+                place (a sampled draft's random numbers, its temperature, the buffer of its
+                distributions).
         Returns:
             the drafted tokens ``(b, n)`` (a new tensor). The cache is left as after
             ``level_forward`` over the same levels: ``cache.commit(path)`` reads it.
