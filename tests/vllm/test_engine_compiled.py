@@ -2,7 +2,8 @@
 the tree and chain wrappers run inside vLLM's compiled model (its attention and Mamba2 mixer are
 custom ops, which the compiled graph calls as they are), and the proposer compiles the draft's
 levels. Greedy output equal token for token to the target's own greedy decoding, four concurrent
-requests of different lengths; one engine per configuration."""
+requests of different lengths; one engine per configuration, in vLLM's default layout of three
+processes (the other engine tests run in one: tests/vllm/engine.py)."""
 import pytest
 
 from tests.vllm import engine
@@ -15,6 +16,6 @@ from tests.vllm.test_engine_speculative import reference  # noqa: F401  (the tar
 def test_compiled_engine_equals_own_greedy(reference, tree):
     spec = {"method": "stree", "model": SHIPPED_DRAFT, "tree": tree}
     out = engine.result(engine.run({"engine": {"model": TARGET, "enforce_eager": False, "speculative_config": spec},
-                                    "prompts": PROMPTS, "sampling": GREEDY}))
+                                    "prompts": PROMPTS, "sampling": GREEDY, "processes": True}))
     assert out["tokens"] == reference
     assert _acceptance(out) > 0
