@@ -65,8 +65,9 @@ def levels_step(model, tokens, layers: dict, states: dict, inputs: list, spans: 
     """A tree drafted level by level: level ``d`` runs the nodes ``spans[d] = (start, end)`` of
     ``tokens (b, n)`` as :func:`level_step` does (``inputs[d] = (src, dst, tables)``), then
     ``pick(d, logits, tokens, extra)`` writes their children into the tokens the next level reads
-    (``extra``: None, or tensors the choice reads or writes). ``lead (b, c)`` int64 (-1: left padding) or None: tokens run before the roots, in the
-    roots' pass (:func:`level_step`). Returns the drafted tokens (a copy of ``tokens``, filled in)."""
+    (``extra``: None, or tensors the choice reads or writes). ``lead (b, c)`` int64 (-1: left
+    padding) or None: tokens run before the roots, in the roots' pass (:func:`level_step`).
+    Returns the drafted tokens (a copy of ``tokens``, filled in)."""
     tokens = tokens.clone()
     for d, ((start, end), (src, dst, tables)) in enumerate(zip(spans, inputs)):
         logits = level_step(model, tokens[:, start:end], layers, states, src, dst, tables, lead if d == 0 else None)
