@@ -40,7 +40,7 @@ import stree  # noqa: E402
 from stree.cache import grown_capacity  # noqa: E402
 from stree.limits import ContextLimitWarning, context_limit  # noqa: E402
 from stree.walk import mixers  # noqa: E402
-from stree.layers import attention, mamba2  # noqa: E402
+from stree.layers import attention, recurrent  # noqa: E402
 
 PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "stree-tiny")
 PROMPT = [0, 1537, 264, 7, 2393, 12, 285]  # any ids: EOS is ignored
@@ -81,7 +81,7 @@ def kv_bytes_per_position(model) -> int:
     """Bytes one sequence position costs in the attention K/V of a patched ``model``."""
     total = 0
     for _, mixer in mixers(model):
-        if not mamba2.is_mamba2(mixer):
+        if recurrent.kind(mixer) is None:
             a = attention.view(mixer)
             total += 2 * a.num_key_value_heads * a.head_dim * next(mixer.parameters()).element_size()
     return total

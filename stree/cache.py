@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stree.kernels import conv_replay, ssm_replay
+from stree.kernels import conv_replay, delta_replay, ssm_replay
 from stree.kernels._common import debug_checks
 from stree.kernels.replay import conv_replay_index, path_tables
 
@@ -38,10 +38,11 @@ def grown_capacity(need: int, max_seqlen: int) -> int:
 
 @dataclass
 class MambaLayerCache:
-    """Committed state of one Mamba2 layer, in mamba_ssm's layout.
+    """Committed state of one recurrent layer: a Mamba2 layer, in mamba_ssm's layout, or a gated
+    delta rule layer (the same two tensors, so pools, drafting and commits treat both alike).
 
     conv_state: ``(b, conv_dim, d_conv)`` raw pre-conv inputs, newest in the last column.
-    ssm_state: ``(b, nheads, headdim, d_state)``.
+    ssm_state: ``(b, nheads, headdim, d_state)`` (a gated delta rule layer: ``(b, H, dk, dv)``).
     """
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
@@ -190,17 +191,45 @@ class MambaActivations:
 
     def tables(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
-        """Add to ``shared`` what replay reads of the path (gather tables), once per commit."""
-        if "path" not in shared:
-            shared["path"] = path_tables(path)
-        w = layer.conv_state.shape[2]
-        if ("conv", w) not in shared:
-            shared[("conv", w)] = conv_replay_index(path, w)
+        _replay_tables(layer, path, shared)
 
     def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
         w = layer.conv_state.shape[2]
         ssm_replay(layer.ssm_state, self.x, self.dt, self.A, self.B, path, tables=shared["path"])
+        conv_replay(layer.conv_state, self.xbc, path, index=shared[("conv", w)])
+
+
+def _replay_tables(layer: MambaLayerCache, path: torch.Tensor, shared: dict) -> None:
+    """Add to ``shared`` what a recurrent layer's replay reads of the path (gather tables), once
+    per commit."""
+    if "path" not in shared:
+        shared["path"] = path_tables(path)
+    w = layer.conv_state.shape[2]
+    if ("conv", w) not in shared:
+        shared[("conv", w)] = conv_replay_index(path, w)
+
+
+@dataclass
+class DeltaActivations:
+    """What one gated delta rule layer (Gated DeltaNet, KDA) cached during a tree forward, for
+    replay along any path: xbc ``(b, n, conv_dim)`` raw pre-conv inputs; k ``(b, n, H, dk)``
+    normalised keys, u ``(b, n, H, dv)`` and G ``(b, n, H)`` or ``(b, n, H, dk)`` (fp32, from
+    ``tree_delta``). Its layer's state is a :class:`MambaLayerCache` whose ``ssm_state`` is the
+    ``(b, H, dk, dv)`` recurrent state."""
+    xbc: torch.Tensor
+    k: torch.Tensor
+    u: torch.Tensor
+    G: torch.Tensor
+
+    def tables(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        _replay_tables(layer, path, shared)
+
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        w = layer.conv_state.shape[2]
+        delta_replay(layer.ssm_state, self.k, self.u, self.G, path, tables=shared["path"])
         conv_replay(layer.conv_state, self.xbc, path, index=shared[("conv", w)])
 
 

@@ -64,11 +64,11 @@ def cap_new_tokens(prompt_len: int, max_new_tokens: int, scratch: int,
 
 
 def _has_attention(model) -> bool:
-    from stree.layers import mamba2
+    from stree.layers import recurrent
     from stree.walk import mixers
 
     try:
         layers = mixers(model)
     except TypeError:  # a model stree cannot walk (method "ar" on its own code): trust its config
         return True
-    return any(not mamba2.is_mamba2(m) for _, m in layers)
+    return any(recurrent.kind(m) is None for _, m in layers)

@@ -15,7 +15,7 @@ import torch
 from stree.cache import (AttentionActivations, LevelPending, NodeStates, PendingTree, StatePool,
                          TreeCache, grown_capacity)
 from stree.inputs import token_ids
-from stree.layers import attention, mamba2
+from stree.layers import attention, recurrent
 from stree.steps import EAGER, Steps
 from stree.tree import TokenTree
 from stree.walk import mixers, walk
@@ -45,8 +45,9 @@ class TreeDecodingMixin:
         capacity = grown_capacity(1, max_seqlen)
         layers = {}
         for idx, mixer in mixers(self):
-            if mamba2.is_mamba2(mixer):
-                layers[idx] = mamba2.allocate(mixer, num_slots, dtype)
+            kind = recurrent.kind(mixer)
+            if kind is not None:
+                layers[idx] = kind.allocate(mixer, num_slots, dtype)
             else:
                 a = attention.view(mixer)
                 w = _first_weight(mixer)
@@ -93,9 +94,9 @@ class TreeDecodingMixin:
         states = cache.states()
 
         def run(idx, mixer, h):
-            state = states[idx]
-            if mamba2.is_mamba2(mixer):
-                return mamba2.prefill(mixer, h, state)
+            state, kind = states[idx], recurrent.kind(mixer)
+            if kind is not None:
+                return kind.prefill(mixer, h, state)
             return attention.prefill(attention.view(mixer), h, state, cache.seqlens[0])
 
         out = walk(self, input_ids, run, head=logits)
@@ -218,7 +219,7 @@ class TreeDecodingMixin:
         """Whether ``draft_levels`` takes a ``lead``: a model without attention layers, whose
         state does not depend on the positions the lead would shift (read once: the loop asks
         every step, and a walk over the layers costs tens of microseconds)."""
-        return all(mamba2.is_mamba2(mixer) for _, mixer in mixers(self))
+        return all(recurrent.kind(mixer) is not None for _, mixer in mixers(self))
 
 
 def _lead(model, lead, b: int, device) -> tuple[torch.Tensor | None, list[int] | None]:
@@ -274,18 +275,20 @@ def _steps(model) -> Steps:
 def _tables(model, tree: TokenTree, mamba_tree: TokenTree | None, lengths, span: int,
             nodes=None) -> dict:
     """Everything the layers of one step read besides their state, built before they run: per
-    Mamba2 layer its constants and ``mamba_tree``'s conv/scan tables (none for a draft level,
-    whose nodes run one by one by the recurrence); for attention layers what
+    recurrent layer its kind (:func:`stree.layers.recurrent.kind`), constants and ``mamba_tree``'s
+    conv/scan tables (none for a draft level, whose nodes run one by one by the recurrence); for
+    attention layers what
     :func:`stree.steps.attention_tables` builds inside the step from ``tree``'s ancestor mask
     and depth."""
-    consts, per_layer = {}, {}
+    kinds, consts, per_layer = {}, {}, {}
     for idx, mixer in mixers(model):
-        if mamba2.is_mamba2(mixer):
-            consts[idx] = mamba2.constants(mixer)
+        kind = recurrent.kind(mixer)
+        if kind is not None:
+            kinds[idx], consts[idx] = kind, kind.constants(mixer)
             if mamba_tree is not None:
-                per_layer[idx] = mamba_tree.conv_scan_tables(mamba2.conv_width(mixer))
+                per_layer[idx] = mamba_tree.conv_scan_tables(kind.conv_width(mixer))
     tree_in = dict(ancestors=tree.mask, depth=tree.depth, lengths=lengths, span=span, nodes=nodes)
-    return dict(consts=consts, mamba=per_layer, tree=tree_in)
+    return dict(kinds=kinds, consts=consts, mamba=per_layer, tree=tree_in)
 
 
 def _with_slots(t: torch.Tensor, slots: int) -> torch.Tensor:
@@ -301,7 +304,7 @@ def _level_states(model, cache: TreeCache, slots: int) -> dict:
     before anything reads them), per attention layer its K/V scratch marker."""
     states, committed = {}, cache.states()
     for idx, mixer in mixers(model):
-        if not mamba2.is_mamba2(mixer):
+        if recurrent.kind(mixer) is None:
             states[idx] = AttentionActivations()
             continue
         state = committed[idx]
@@ -321,12 +324,10 @@ def patch(model):
         raise TypeError(f"stree.patch takes a loaded model (a torch.nn.Module), got {type(model).__name__}; "
                         "load a checkpoint directory first, e.g. with stree.hf.load(path)")
     for idx, mixer in mixers(model):  # raises for unsupported models
-        if not (mamba2.is_mamba2(mixer) or attention.view(mixer) is not None):
+        if not (recurrent.kind(mixer) is not None or attention.view(mixer) is not None):
             raise TypeError(
                 f"layer {idx}: {type(mixer).__name__} is not supported by stree "
                 "(supported: mamba_ssm Mamba2, mamba_ssm MHA, stree.hybrid Mamba2/attention)")
-        if not mamba2.is_mamba2(mixer):
-            attention.view(mixer)  # validates MHA options
     cls = model.__class__
     model.__class__ = type(f"STree{cls.__name__}", (TreeDecodingMixin, cls), {})
     return model

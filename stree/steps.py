@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from stree.layers import attention, mamba2
+from stree.layers import attention
 from stree.walk import mixers, walk
 
 
@@ -20,9 +20,9 @@ def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
     attn = attention_tables(model, tables, layers)
 
     def run(idx, mixer, h):
-        if idx in tables["consts"]:
-            out, acts[idx] = mamba2.tree_forward(mixer, h, layers[idx], tables["mamba"][idx],
-                                                 impl=impl, k=tables["consts"][idx])
+        if idx in tables["kinds"]:
+            out, acts[idx] = tables["kinds"][idx].tree_forward(mixer, h, layers[idx], tables["mamba"][idx],
+                                                               impl=impl, k=tables["consts"][idx])
         else:
             out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)
         return out
@@ -46,12 +46,12 @@ def level_step(model, tokens, layers: dict, states: dict, src, dst, tables: dict
     attn = attention_tables(model, tables, layers)
 
     def run(idx, mixer, h):
-        if idx not in tables["consts"]:
+        if idx not in tables["kinds"]:
             return attention.tree_forward(attention.view(mixer), h, layers[idx], attn)[0]
         ns = states[idx]
-        out, conv, ssm = mamba2.node_step(mixer, h if lead is not None else h.reshape(b * w, 1, -1),
-                                          ns.conv.index_select(0, src),
-                                          ns.ssm.index_select(0, src), tables["consts"][idx], valid)
+        out, conv, ssm = tables["kinds"][idx].node_step(mixer, h if lead is not None else h.reshape(b * w, 1, -1),
+                                                        ns.conv.index_select(0, src),
+                                                        ns.ssm.index_select(0, src), tables["consts"][idx], valid)
         ns.conv.index_copy_(0, dst, conv)
         ns.ssm.index_copy_(0, dst, ssm)
         return out.view(b, w, -1)
@@ -91,7 +91,7 @@ EAGER = Steps()
 def attention_tables(model, tables: dict, layers: dict) -> dict:
     """:func:`attention.tree_tables` of a step (inside it, so that a compiled step fuses them)
     for its attention layers and their caches ``layers[idx]``."""
-    idxs = [(idx, m) for idx, m in mixers(model) if idx not in tables["consts"]]
+    idxs = [(idx, m) for idx, m in mixers(model) if idx not in tables["kinds"]]
     if not idxs:
         return {}
     return attention.tree_tables(adapters=[attention.view(m) for _, m in idxs],

@@ -76,8 +76,55 @@ def _zamba2(vocab, layers=6):
         max_position_embeddings=512, pad_token_id=0))
 
 
+# Gated DeltaNet hybrids: 2 key heads serving 4 value heads (grouped), partial rotary on Qwen's
+# gated attention, three linear-attention layers to one attention layer
+_GDN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False)
+
+
+def _types(layers):
+    return (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4) + ["linear_attention"] * (layers % 4)
+
+
+def _rope(partial=0.5):
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+
+
+def _qwen3_5(vocab, layers=4):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(vocab_size=vocab, num_hidden_layers=layers, layer_types=_types(layers),
+                                                rope_parameters=_rope(), **_GDN))
+
+
+def _qwen3_5_moe(vocab, layers=4):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        vocab_size=vocab, num_hidden_layers=layers, layer_types=_types(layers), rope_parameters=_rope(),
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        **{k: v for k, v in _GDN.items() if k != "intermediate_size"}))
+
+
+def _qwen3_next(vocab, layers=4):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    return Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=vocab, num_hidden_layers=layers, layer_types=_types(layers), rope_parameters=_rope(),
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        mlp_only_layers=[1], **_GDN))
+
+
+def _olmo_hybrid(vocab, layers=4, rope=True, neg_eigval=True):
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+    return OlmoHybridForCausalLM(OlmoHybridConfig(
+        vocab_size=vocab, num_hidden_layers=layers, layer_types=_types(layers), linear_allow_neg_eigval=neg_eigval,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0} if rope else None,
+        **{k: v for k, v in _GDN.items() if k != "head_dim"}))
+
+
 BUILDERS = {"zamba2": _zamba2, "mamba2": _mamba2, "bamba": _bamba, "granite": _granite, "nemotron_h": _nemotron_h,
-            "falcon_h1": _falcon_h1}
+            "falcon_h1": _falcon_h1, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_next": _qwen3_next,
+            "olmo_hybrid": _olmo_hybrid}
 
 
 def build(family: str, tmp_path, seed: int = 0, vocab: int = VOCAB, **kw):
@@ -91,6 +138,8 @@ def build(family: str, tmp_path, seed: int = 0, vocab: int = VOCAB, **kw):
                 p.normal_(0, 0.1)
             elif name.endswith("D") or name.endswith("dt_bias"):
                 p.uniform_(-1.0, 1.0)
+            elif name.endswith("norm.weight") and p.abs().max() == 0:  # zero-centred norms (Qwen's)
+                p.normal_(0, 0.2)
     directory = tmp_path / f"{family}-{seed}-{vocab}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
     model.save_pretrained(directory)
     return type(model).from_pretrained(directory, dtype=torch.float32).eval(), directory

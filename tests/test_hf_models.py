@@ -23,13 +23,21 @@ CASES = {
     "falcon_h1": {},
     "falcon_h1-silu-gate": {"rms_norm": False},
     "zamba2": {},
+    "qwen3_5": {},
+    "qwen3_5_moe": {},
+    "qwen3_next": {},
+    "olmo_hybrid": {},
+    "olmo_hybrid-nope-posbeta": {"rope": False, "neg_eigval": False},
 }
 # class -> the layer kinds its test config must contain (guards against a config that silently
 # builds fewer kinds than intended)
 KINDS = {"mamba2": {"Mamba2View"}, "bamba": {"Mamba2View", "AttentionView"},
          "granite": {"Mamba2View", "AttentionView"}, "nemotron_h": {"Mamba2View", "AttentionView"},
          "falcon_h1": {"FalconH1Mamba2View", "FalconH1AttentionView"},
-         "zamba2": {"Mamba2View", "Zamba2AttentionView"}}
+         "zamba2": {"Mamba2View", "Zamba2AttentionView"},
+         "qwen3_5": {"Qwen3_5DeltaView", "GatedAttentionView"}, "qwen3_5_moe": {"Qwen3_5DeltaView", "GatedAttentionView"},
+         "qwen3_next": {"Qwen3NextDeltaView", "GatedAttentionView"},
+         "olmo_hybrid": {"OlmoHybridDeltaView", "NormedAttentionView"}}
 
 
 def family_of(case):
@@ -104,7 +112,7 @@ def test_prefill_and_chain_equal_own_uncached_forward(family, tmp):
     close(model.tree_forward(chain, cache)[0], ref[9:], "chain")
 
 
-@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "zamba2"])
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "zamba2", "qwen3_next"])
 def test_batch_of_two_with_different_trees_and_ragged_prompts(family, tmp):
     rng = random.Random(7)
     model, _ = build(family, tmp, seed=1)
@@ -159,7 +167,10 @@ def test_draft_levels_and_commit_match_own_cached_decoding(case, tmp):
 # target family -> draft (another family or a smaller size, same vocabulary)
 DRAFTS = {"mamba2": ("bamba", {"layers": 2}), "bamba": ("mamba2", {"layers": 1}),
           "granite": ("nemotron_h", {"pattern": "M-"}), "nemotron_h": ("mamba2", {"layers": 1}),
-          "falcon_h1": ("zamba2", {"layers": 2}), "zamba2": ("falcon_h1", {"layers": 1})}
+          "falcon_h1": ("zamba2", {"layers": 2}), "zamba2": ("falcon_h1", {"layers": 1}),
+          # Gated DeltaNet targets: a one-layer draft of the same family, or a Mamba2 draft
+          "qwen3_5": ("qwen3_5", {"layers": 1}), "qwen3_5_moe": ("mamba2", {"layers": 1}),
+          "qwen3_next": ("qwen3_5", {"layers": 1}), "olmo_hybrid": ("qwen3_5", {"layers": 1})}
 
 
 @pytest.mark.parametrize("family", DRAFTS)
@@ -186,12 +197,12 @@ def _joint_probs(model, prompt, length, v):
     return lp.exp()
 
 
-def _chisquare_pvalue(tmp, method, drafter, verifier):
-    """Bamba target (Mamba2 + rotary attention), Mamba2 draft, vocab 5: all 3 generated tokens of
-    3000 rows against the exact joint (125 cells)."""
+def _chisquare_pvalue(tmp, method, drafter, verifier, target="bamba", draft="mamba2"):
+    """A hybrid target (Bamba: Mamba2 + rotary attention; or a Gated DeltaNet hybrid), a one-layer
+    draft, vocab 5: all 3 generated tokens of 3000 rows against the exact joint (125 cells)."""
     v, rows, prompt = 5, 3000, [1, 3]
-    target, _ = build("bamba", tmp, seed=4, vocab=v)
-    draft, _ = build("mamba2", tmp, seed=5, vocab=v, layers=1)
+    target, _ = build(target, tmp, seed=4, vocab=v)
+    draft, _ = build(draft, tmp, seed=5, vocab=v, layers=1)
     expect = _joint_probs(target, prompt, 3, v)
     out = stree.generate(stree.patch(target), stree.patch(draft), torch.tensor(prompt).expand(rows, -1), 3,
                          temperature=1.0, method=method, drafter=drafter, verifier=verifier,
@@ -202,16 +213,19 @@ def _chisquare_pvalue(tmp, method, drafter, verifier):
     return chisquare(counts, expect / expect.sum() * rows).pvalue
 
 
-@pytest.mark.parametrize("method,drafter,verifier", [
-    ("tree", "static:3,2", "mss"),   # children sampled without replacement
-    ("tree", "beam:2x2", "naive"),
-    ("chain", "chain:2", "sps"),
+@pytest.mark.parametrize("method,drafter,verifier,target,draft", [
+    ("tree", "static:3,2", "mss", "bamba", "mamba2"),   # children sampled without replacement
+    ("tree", "beam:2x2", "naive", "bamba", "mamba2"),
+    ("chain", "chain:2", "sps", "bamba", "mamba2"),
+    ("tree", "static:3,2", "mss", "qwen3_5", "qwen3_5"),  # Gated DeltaNet target and draft
+    ("chain", "chain:2", "sps", "qwen3_next", "mamba2"),
 ])
-def test_sampled_generation_has_the_target_distribution(method, drafter, verifier, tmp):
-    assert _chisquare_pvalue(tmp, method, drafter, verifier) > 1e-3
+def test_sampled_generation_has_the_target_distribution(method, drafter, verifier, target, draft, tmp):
+    assert _chisquare_pvalue(tmp, method, drafter, verifier, target, draft) > 1e-3
 
 
-def test_distribution_test_catches_a_wrong_rule(tmp):
+@pytest.mark.parametrize("target,draft", [("bamba", "mamba2"), ("qwen3_5", "qwen3_5")])
+def test_distribution_test_catches_a_wrong_rule(target, draft, tmp):
     """Control: MSS over chosen (top-k) children, a non-lossless pair stree refuses, is visibly
     biased on these models, so the test above has power here."""
     from stree.verify import MSSVerifier
@@ -220,7 +234,7 @@ def test_distribution_test_catches_a_wrong_rule(tmp):
         def check(self, draft_mode, sampling):
             pass
 
-    assert _chisquare_pvalue(tmp, "tree", "static:3,2:deterministic", Unchecked()) < 1e-6
+    assert _chisquare_pvalue(tmp, "tree", "static:3,2:deterministic", Unchecked(), target, draft) < 1e-6
 
 
 def test_unsupported_transformers_class_is_refused_by_name():
@@ -271,7 +285,7 @@ def test_cli_generates_from_transformers_directories(tmp, capsys):
     prompt = ([bos] if bos is not None else []) + [5, 9, 13]
     ref = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
     assert capsys.readouterr().out.split() == [f"w{int(t)}" for t in ref]
-    with pytest.raises(ValueError, match="no transformers Mamba2-family class"):
+    with pytest.raises(ValueError, match="no supported transformers class"):
         hf.load(str(tmp))
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face transformers' Mamba2 family for ``stree.patch``: one small module per family.
+"""Hugging Face transformers' hybrid families for ``stree.patch`` (Mamba2 and gated delta rule
+layers beside attention): one small module per family.
 
 ``family(model)`` gives the :class:`~stree.hf.common.Family` adapter of a supported transformers
 model (built once, kept on the model), or ``None`` (``stree.patch`` then refuses the model by name).
@@ -24,6 +25,10 @@ SUPPORTED = {
     "NemotronHForCausalLM": ("stree.hf.nemotron_h", "NemotronHFamily"),
     "FalconH1ForCausalLM": ("stree.hf.falcon_h1", "FalconH1Family"),
     "Zamba2ForCausalLM": ("stree.hf.zamba2", "Zamba2Family"),
+    "Qwen3_5ForCausalLM": ("stree.hf.qwen3_5", "Qwen3_5Family"),
+    "Qwen3_5MoeForCausalLM": ("stree.hf.qwen3_5", "Qwen3_5Family"),
+    "Qwen3NextForCausalLM": ("stree.hf.qwen3_next", "Qwen3NextFamily"),
+    "OlmoHybridForCausalLM": ("stree.hf.olmo_hybrid", "OlmoHybridFamily"),
 }
 _ATTR = "_stree_family"
 
@@ -34,7 +39,7 @@ def _transformers_class(model):
 
 
 def family(model):
-    """The family adapter of ``model``, or ``None`` if it is no transformers Mamba2-family model."""
+    """The family adapter of ``model``, or ``None`` if it is no transformers model of a supported family."""
     cached = model.__dict__.get(_ATTR)
     if cached is not None:
         return cached
@@ -49,7 +54,7 @@ def family(model):
 
 
 def is_checkpoint(directory: str) -> bool:
-    """Whether ``directory`` holds a transformers checkpoint of a Mamba2-family class."""
+    """Whether ``directory`` holds a transformers checkpoint of a supported class."""
     cfg = _read_config(directory)
     return cfg is not None and any(a in SUPPORTED for a in cfg.get("architectures") or ())
 
@@ -63,7 +68,7 @@ def load(directory: str, dtype=None, device="cpu"):
     cfg = _read_config(directory)
     archs = (cfg or {}).get("architectures") or []
     if not any(a in SUPPORTED for a in archs):
-        raise ValueError(f"{directory}: config.json names no transformers Mamba2-family class "
+        raise ValueError(f"{directory}: config.json names no supported transformers class "
                          f"(architectures={archs}); supported: {', '.join(SUPPORTED)}")
     import transformers
 

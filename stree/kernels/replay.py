@@ -7,7 +7,10 @@ For each valid node j of a row, with g the group of head h:
     conv_state   <- last width columns of [conv_state, xbc[path nodes]]
 
 The inputs are the activations cached by the tree forward (x after conv, processed dt, B, raw xbc),
-so replay costs one read and one write of each state.
+so replay costs one read and one write of each state. ``delta_replay`` does the same for a gated
+delta rule layer (Gated DeltaNet, KDA) from what ``tree_delta`` kept:
+
+    S <- e^{G_a} S + sum_{j on the path} e^{G_a - G_j} k_j u_j^T        (a: the path's last node)
 """
 from __future__ import annotations
 
@@ -190,3 +193,36 @@ def conv_replay_index(path, w: int):
     pos = length + torch.arange(w, device=path.device)  # (b, w)
     node = path.gather(1, (pos - w).clamp(min=0, max=path.shape[1] - 1))
     return torch.where(pos < w, pos, w + node)
+
+
+def delta_replay(state, k, u, G, path, tables=None) -> None:
+    """Commit the accepted path into ``state``, in place, from the tree's kept activations:
+    ``S <- e^{G_a} S + sum_{j on the path} e^{G_a - G_j} k_j u_j^T`` with ``a`` the path's last
+    node (per key channel for a per-channel ``G``). The same batched products on every device.
+
+    Args:
+        state: ``(batch, heads, dk, dv)`` committed state, updated in place.
+        k: ``(batch, nodes, heads, dk)`` the nodes' normalised keys; u: ``(batch, nodes, heads,
+            dv)`` fp32 and G: ``(batch, nodes, heads)`` or ``(batch, nodes, heads, dk)`` fp32,
+            from :func:`tree_delta`.
+        path: ``(batch, steps)`` int64 node indices, root first, -1 padded at the end; a row of
+            -1 leaves its state as it was.
+        tables: ``stree.kernels.replay.path_tables(path)``, shared by the layers of a commit.
+    """
+    rows, node, valid = tables if tables is not None else path_tables(path)
+    f32 = torch.float32
+    steps = valid.sum(1)  # (b,)
+    last = node.gather(1, (steps - 1).clamp(min=0)[:, None])[:, 0]  # (b,) the path's last node
+    Gp = G[rows, node]  # (b, k, h[, dk])
+    G_last = torch.where((steps > 0).view(-1, *[1] * (G.dim() - 2)), G[rows[:, 0], last], 0.0)
+    if G.dim() == 3:
+        w = (G_last[:, None] - Gp).masked_fill_(~valid[..., None], float("-inf")).exp_()  # (b, k, h)
+        kw = k[rows, node].to(f32) * w[..., None]
+        decay = G_last.exp()[..., None, None]  # (b, h, 1, 1)
+    else:
+        w = (G_last[:, None] - Gp).masked_fill_(~valid[..., None, None], float("-inf")).exp_()
+        kw = k[rows, node].to(f32) * w
+        decay = G_last.exp()[..., None]  # (b, h, dk, 1)
+    update = torch.einsum("bjhc,bjhd->bhcd", kw, u[rows, node])
+    new = state.to(f32) * decay + update
+    state.copy_(new if state.dtype == f32 else new.to(state.dtype))

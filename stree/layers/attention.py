@@ -186,17 +186,29 @@ def _rotate_by(x, rot):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+def _qkv(a, h):
+    """The adapter's ``project_qkv(h)``: ``q, k, v`` and its output gate, or None. An adapter with
+    a gated output (Qwen3.5's and Qwen3-Next's attention) returns the gate as a fourth tensor and
+    takes it back in ``o_proj(out, gate)``."""
+    parts = a.project_qkv(h)
+    return (*parts, None) if len(parts) == 3 else parts
+
+
+def _output(a, out, gate):
+    return a.o_proj(out) if gate is None else a.o_proj(out, gate)
+
+
 def _project(a, h, shared: dict):
-    """``q (b, n, hq, d)``, ``k, v (b, n, hkv, d)`` of the tree nodes ``h``, q and k rotated.
-    Adapters with rotation matrices (``rotary_tables``) have a fused projection
-    (``project_heads``): their q and k heads are adjacent, so one product rotates both."""
+    """``q (b, n, hq, d)``, ``k, v (b, n, hkv, d)`` of the tree nodes ``h``, q and k rotated, and
+    the output gate (or None). Adapters with rotation matrices (``rotary_tables``) have a fused
+    projection (``project_heads``): their q and k heads are adjacent, so one product rotates both."""
     if not hasattr(a, "rotary_tables"):
-        q, k, v = a.project_qkv(h)
-        return (*a.apply_rotary(q, k, shared["positions"]), v)
+        q, k, v, gate = _qkv(a, h)
+        return (*a.apply_rotary(q, k, shared["positions"]), v, gate)
     hq, hkv = a.num_heads, a.num_key_value_heads
     heads = a.project_heads(h)
     q, k = _rotate_by(heads[:, :, :hq + hkv], shared[a.rotary_key]).split((hq, hkv), dim=2)
-    return q, k, heads[:, :, hq + hkv:]
+    return q, k, heads[:, :, hq + hkv:], None
 
 
 def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
@@ -205,18 +217,18 @@ def tree_forward(a, h, cache: AttentionLayerCache, shared: dict):
     ``shared`` = :func:`tree_tables` of the tree; its ``span`` (keys read) is the max committed
     length + n, or ``max_seqlen`` for a static-shape step (the mask hides the rest).
     """
-    q, k, v = _project(a, h, shared)
+    q, k, v, gate = _project(a, h, shared)
     _write(cache, shared[_slots_key(cache)], k, v)  # at the scratch slots lengths + i
     out = _attend(a, q, cache, shared["span"], shared[_mask_key(a, cache)])
-    return a.o_proj(out), AttentionActivations()
+    return _output(a, out, gate), AttentionActivations()
 
 
 def prefill(a, h, cache: AttentionLayerCache, start: int):
     """Causal attention for ``h (b, l, d_model)`` appended after the committed prefix of length
     ``start`` (shared by all rows); writes the K/V."""
     b, l, _ = h.shape
-    q, k, v = a.project_qkv(h)
+    q, k, v, gate = _qkv(a, h)
     pos = start + torch.arange(l, device=h.device).expand(b, l)
     q, k = a.apply_rotary(q, k, pos)
     _write(cache, cache.flat_index(torch.arange(b, device=h.device)[:, None], pos).unbind(2), k, v)
-    return a.o_proj(_attend(a, q, cache, start + l, start=start))
+    return _output(a, _attend(a, q, cache, start + l, start=start), gate)
