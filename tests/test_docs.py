@@ -3,14 +3,22 @@
 * Every repository path a document cites exists (``bench/...``, ``docs/...``, ``models/...``,
   ``stree/...``, ``tests/...``, ``scripts/...``, globs and ``{a,b}`` alternatives expanded;
   Markdown links resolved from the citing file).
-* Every file in ``bench/results/`` is cited by a document (a run's ``.json``, ``.csv`` and
-  ``_per_prompt.csv.gz`` count as one): superseded runs are deleted, history stays in git.
+* Every link to a heading (``page.md#anchor``, ``#anchor``) names a heading of that page, by
+  GitHub's rule for anchors.
+* Every file in ``bench/results/`` is cited by name (not by a glob) in a page a user reads (the
+  README, ``docs/*.md``, ``models/README.md``; a run's ``.json``, ``.csv`` and
+  ``_per_prompt.csv.gz`` count as one), and there are at most :data:`MAX_RESULT_SETS` runs:
+  superseded runs are deleted, history stays in git.
+* Pages stay short enough to read: the README at most 250 lines, ``docs/vllm.md`` 300, every
+  other page of ``docs/`` 400 (:data:`MAX_LINES`).
 * Every command shown (lines of ``bash`` blocks, and inline code that starts with ``stree``,
   ``scripts/venv``, ``python`` or ``pytest``) runs with ``--help`` appended, exit status 0, and
   its help lists every ``--flag`` it is shown with (argparse stops at ``--help`` before it
   rejects an unknown flag, so the flags are checked against the help text). The README's first
   block runs literally through ``scripts/venv``; the others run in one interpreter, each through
-  its own argument parser.
+  its own argument parser. A ``scripts/venv-vllm python SCRIPT ...`` line is checked the same way
+  in the main environment (the benchmark scripts import vLLM only once they run); other
+  ``scripts/venv-vllm`` commands need the vLLM environment and are left to ``tests/vllm/``.
 * The README's Python blocks run as shown, in order, in a fresh interpreter from the repository
   root, on the shipped pair. Their one placeholder, the path of a transformers checkpoint, is
   replaced by a tiny random ``Mamba2ForCausalLM`` saved here (:data:`PLACEHOLDERS`).
@@ -41,6 +49,12 @@ INLINE_RE = re.compile(r"`([^`\n]+)`")
 COMMAND_START = ("stree ", "scripts/venv ", "scripts/venv-vllm ", "python ", "pytest", "lint-imports")
 # README placeholder -> what the test puts there (filled by the fixture below).
 PLACEHOLDERS = {"path/to/checkpoint": "hf_target", "path/to/draft": "hf_draft"}
+# the pages a user reads: every result file is cited from one of them
+USER_DOCS = sorted({REPO / "README.md", *REPO.glob("docs/*.md"), REPO / "models" / "README.md"})
+MAX_RESULT_SETS = 25
+# page -> most lines; every other page of docs/ gets the "docs" bound
+MAX_LINES = {"README.md": 250, "docs/vllm.md": 300, "docs": 400}
+HEADING_RE = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 
 
 def read(doc: Path) -> str:
@@ -93,16 +107,81 @@ def test_every_cited_path_exists(doc):
     assert not missing, f"{rel(doc)} cites paths that do not exist: {missing}"
 
 
+def anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives ``doc``'s headings: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces as ``-``; a repeated heading gets ``-1``, ``-2``, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for title in HEADING_RE.findall(FENCE_RE.sub("", read(doc))):
+        slug = re.sub(r"[^\w\- ]", "", re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", title).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_link_anchor_exists(doc):
+    broken = []
+    for target in LINK_RE.findall(read(doc)):
+        path, _, anchor = target.partition("#")
+        if not anchor or re.match(r"[a-z]+:", target):
+            continue
+        page = (doc.parent / path).resolve() if path else doc
+        if page.suffix == ".md" and page.is_file() and anchor not in anchors(page):
+            broken.append(target)
+    assert not broken, f"{rel(doc)} links to headings that do not exist: {broken}"
+
+
 def run_stem(name: str) -> str:
     return re.sub(r"(_per_prompt)?\.(csv\.gz|csv|json|txt|png)$", "", name)
 
 
+def result_citations(docs) -> set[str]:
+    """The runs of ``bench/results/`` that ``docs`` cite by file name (a glob cites none)."""
+    return {run_stem(p.name) for doc in docs for base, c in citations(doc)
+            if not any(ch in c for ch in "*?[{") for p in resolve(base, c)
+            if p.is_file() and p.parent == RESULTS}
+
+
+def uncited_results(docs) -> list[str]:
+    cited = result_citations(docs)
+    return sorted(p.name for p in RESULTS.iterdir() if run_stem(p.name) not in cited)
+
+
 def test_every_result_file_is_cited():
-    cited = {run_stem(p.name) for doc in DOCS for base, c in citations(doc)
-             for p in resolve(base, c) if p.is_file() and p.parent == RESULTS}
-    uncited = sorted(p.name for p in RESULTS.iterdir() if run_stem(p.name) not in cited)
-    assert not uncited, ("bench/results/ holds files no document cites (cite them where the "
-                         f"claim is made, or delete them: history stays in git): {uncited}")
+    uncited = uncited_results(USER_DOCS)
+    assert not uncited, ("bench/results/ holds files no page cites (cite them by name where the "
+                         f"claim is made, or git rm them: history stays in git): {uncited}")
+
+
+def test_uncited_result_file_fails(tmp_path, monkeypatch):
+    """The check above fails on a result file no page names, and on one named only by a glob."""
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    for name in ("e2e_cited_X.json", "e2e_cited_X.csv", "e2e_cited_X_per_prompt.csv.gz",
+                 "vllm_uncited_X.json", "vllm_uncited_X.csv"):
+        (results / name).write_text("{}")
+    doc = tmp_path / "page.md"
+    doc.write_text("Rows: `bench/results/e2e_cited_X.json`; all runs: `bench/results/vllm_*`.\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    monkeypatch.setitem(globals(), "RESULTS", results)
+    assert uncited_results([doc]) == ["vllm_uncited_X.csv", "vllm_uncited_X.json"]
+
+
+def test_result_sets_are_few():
+    runs = sorted({run_stem(p.name) for p in RESULTS.iterdir()})
+    assert len(runs) <= MAX_RESULT_SETS, (
+        f"bench/results/ holds {len(runs)} runs (at most {MAX_RESULT_SETS}): delete the superseded "
+        f"ones with the change that supersedes them: {runs}")
+
+
+@pytest.mark.parametrize("doc", [d for d in USER_DOCS if d.parent != REPO / "models"], ids=rel)
+def test_pages_are_short(doc):
+    name = rel(doc)
+    bound = MAX_LINES.get(name, MAX_LINES["docs"])
+    lines = len(read(doc).splitlines())
+    assert lines <= bound, f"{name} has {lines} lines (at most {bound}): history belongs in git"
 
 
 # ------------------------------------------------------------------------------ commands
@@ -179,7 +258,9 @@ def test_commands_run_with_help():
     for doc in DOCS:
         for args in commands(doc):
             if args[0] == "scripts/venv-vllm":
-                continue  # needs the separate vLLM environment (tests/vllm/ runs in it)
+                if len(args) < 3 or args[1] != "python" or not args[2].endswith(".py"):
+                    continue  # needs the separate vLLM environment (tests/vllm/ runs in it)
+                args = args[1:]  # a script's parser runs here; vLLM is imported once it runs
             if args[0] == "scripts/venv":
                 if " ".join(args) in first:
                     continue  # run literally below
