@@ -122,9 +122,20 @@ def _olmo_hybrid(vocab, layers=4, rope=True, neg_eigval=True):
         **{k: v for k, v in _GDN.items() if k != "head_dim"}))
 
 
+def _kimi_linear(vocab, layers=4, q_lora=True):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    return KimiLinearForCausalLM(KimiLinearConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, layer_types=_types(layers),
+        mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=24 if q_lora else None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_token=2,
+        moe_intermediate_size=32, num_shared_experts=1, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False))
+
+
 BUILDERS = {"zamba2": _zamba2, "mamba2": _mamba2, "bamba": _bamba, "granite": _granite, "nemotron_h": _nemotron_h,
             "falcon_h1": _falcon_h1, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_next": _qwen3_next,
-            "olmo_hybrid": _olmo_hybrid}
+            "olmo_hybrid": _olmo_hybrid, "kimi_linear": _kimi_linear}
 
 
 def build(family: str, tmp_path, seed: int = 0, vocab: int = VOCAB, **kw):

@@ -28,6 +28,8 @@ CASES = {
     "qwen3_next": {},
     "olmo_hybrid": {},
     "olmo_hybrid-nope-posbeta": {"rope": False, "neg_eigval": False},
+    "kimi_linear": {},
+    "kimi_linear-qproj": {"q_lora": False},
 }
 # class -> the layer kinds its test config must contain (guards against a config that silently
 # builds fewer kinds than intended)
@@ -37,7 +39,8 @@ KINDS = {"mamba2": {"Mamba2View"}, "bamba": {"Mamba2View", "AttentionView"},
          "zamba2": {"Mamba2View", "Zamba2AttentionView"},
          "qwen3_5": {"Qwen3_5DeltaView", "GatedAttentionView"}, "qwen3_5_moe": {"Qwen3_5DeltaView", "GatedAttentionView"},
          "qwen3_next": {"Qwen3NextDeltaView", "GatedAttentionView"},
-         "olmo_hybrid": {"OlmoHybridDeltaView", "NormedAttentionView"}}
+         "olmo_hybrid": {"OlmoHybridDeltaView", "NormedAttentionView"},
+         "kimi_linear": {"KimiDeltaView", "LatentAttentionView"}}
 
 
 def family_of(case):
@@ -65,6 +68,10 @@ def check_states(model, cache, oracle, row=0):
         if hasattr(st, "ssm_state"):
             close(st.ssm_state[row], ref.get_recurrent_state(layer, state_idx=0)[0], f"layer {idx} ssm")
             close(st.conv_state[row], ref.get_conv_state(layer, state_idx=0)[0], f"layer {idx} conv")
+        elif type(model).__name__.endswith("KimiLinearForCausalLM"):  # MLA: its cache holds [c], [k_pe]
+            latent = torch.cat([ref.layers[layer].keys[0], ref.layers[layer].values[0]], -1)
+            close(st.k[row, :, :t], latent, f"layer {idx} latent K")
+            close(st.v[row, :, :t], latent, f"layer {idx} latent V")
         else:
             close(st.k[row, :, :t], ref.layers[layer].keys[0], f"layer {idx} K")
             close(st.v[row, :, :t], ref.layers[layer].values[0], f"layer {idx} V")
@@ -170,7 +177,8 @@ DRAFTS = {"mamba2": ("bamba", {"layers": 2}), "bamba": ("mamba2", {"layers": 1})
           "falcon_h1": ("zamba2", {"layers": 2}), "zamba2": ("falcon_h1", {"layers": 1}),
           # Gated DeltaNet targets: a one-layer draft of the same family, or a Mamba2 draft
           "qwen3_5": ("qwen3_5", {"layers": 1}), "qwen3_5_moe": ("mamba2", {"layers": 1}),
-          "qwen3_next": ("qwen3_5", {"layers": 1}), "olmo_hybrid": ("qwen3_5", {"layers": 1})}
+          "qwen3_next": ("qwen3_5", {"layers": 1}), "olmo_hybrid": ("qwen3_5", {"layers": 1}),
+          "kimi_linear": ("qwen3_5", {"layers": 1})}
 
 
 @pytest.mark.parametrize("family", DRAFTS)
@@ -219,6 +227,7 @@ def _chisquare_pvalue(tmp, method, drafter, verifier, target="bamba", draft="mam
     ("chain", "chain:2", "sps", "bamba", "mamba2"),
     ("tree", "static:3,2", "mss", "qwen3_5", "qwen3_5"),  # Gated DeltaNet target and draft
     ("chain", "chain:2", "sps", "qwen3_next", "mamba2"),
+    ("tree", "static:3,2", "mss", "kimi_linear", "qwen3_5"),  # KDA: a decay per key channel
 ])
 def test_sampled_generation_has_the_target_distribution(method, drafter, verifier, target, draft, tmp):
     assert _chisquare_pvalue(tmp, method, drafter, verifier, target, draft) > 1e-3
@@ -268,13 +277,15 @@ def _save_word_tokenizer(directory, v):
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
 
 
-def test_cli_generates_from_transformers_directories(tmp, capsys):
+@pytest.mark.parametrize("target_family,draft_family,draft_kw", [
+    ("granite", "nemotron_h", {"pattern": "M-"}), ("qwen3_5", "qwen3_5", {"layers": 1})])
+def test_cli_generates_from_transformers_directories(target_family, draft_family, draft_kw, tmp, capsys):
     """``stree generate --target DIR --draft DIR`` on save_pretrained directories: the model type
     comes from config.json, the tokenizer from AutoTokenizer; output = the target's own greedy."""
     from stree import cli, hf
 
-    target, tdir = build("granite", tmp, seed=6)
-    _, ddir = build("nemotron_h", tmp, seed=7, pattern="M-")
+    target, tdir = build(target_family, tmp, seed=6)
+    _, ddir = build(draft_family, tmp, seed=7, **draft_kw)
     _save_word_tokenizer(tdir, VOCAB)
     assert hf.is_checkpoint(str(tdir)) and not hf.is_checkpoint(str(tmp))
     args = ["generate", "--target", str(tdir), "--draft", str(ddir), "--prompt", "w5 w9 w13",

@@ -29,6 +29,7 @@ SUPPORTED = {
     "Qwen3_5MoeForCausalLM": ("stree.hf.qwen3_5", "Qwen3_5Family"),
     "Qwen3NextForCausalLM": ("stree.hf.qwen3_next", "Qwen3NextFamily"),
     "OlmoHybridForCausalLM": ("stree.hf.olmo_hybrid", "OlmoHybridFamily"),
+    "KimiLinearForCausalLM": ("stree.hf.kimi_linear", "KimiLinearFamily"),
 }
 _ATTR = "_stree_family"
 

@@ -6,9 +6,11 @@ Their linear-attention layers (``Qwen3_5GatedDeltaNet``, ``Qwen3NextGatedDeltaNe
 softplus(a + dt_bias)``, ``beta = sigmoid(b)``, the rule with L2-normalised q and k, then a gated
 RMSNorm per value head and an output projection. They differ in how the projections are split,
 which is all a view here says (the adapter interface of ``stree/layers/gated_delta.py``).
+Kimi Delta Attention (:class:`KimiDeltaView`) is the same rule with a decay per key channel.
 Their attention layers differ more: :class:`GatedAttentionView` is Qwen's (an output gate, per-head
 q/k norms, partial rotary), :class:`NormedAttentionView` OLMo Hybrid's (q/k norms over all heads,
-rotary or none).
+rotary or none), :class:`LatentAttentionView` Kimi Linear's multi-head latent attention (MLA)
+with its latent cache.
 """
 from __future__ import annotations
 
@@ -34,14 +36,18 @@ class DeltaView:
         if act not in ("silu", "swish"):
             raise TypeError(f"{layer_name}: short conv activation {act!r} is not supported (only silu)")
         self.m, self.conv1d = m, m.conv1d
-        self.num_heads, self.num_k_heads = m.num_v_heads, m.num_k_heads
-        self.head_k_dim, self.head_v_dim = m.head_k_dim, m.head_v_dim
+        self.num_heads, self.num_k_heads, self.head_k_dim, self.head_v_dim = self.heads(m)
         if self.num_heads % self.num_k_heads:
             raise TypeError(f"{layer_name}: {self.num_heads} value heads are not a multiple of "
                             f"{self.num_k_heads} key heads")
 
     def parameters(self):
         return self.m.parameters()
+
+    @staticmethod
+    def heads(m) -> tuple[int, int, int, int]:
+        """``(value heads, key heads, key head dim, value head dim)`` of the module."""
+        return m.num_v_heads, m.num_k_heads, m.head_k_dim, m.head_v_dim
 
     def decay(self, a: torch.Tensor) -> torch.Tensor:
         """``g (..., H)`` fp32 from the raw ``a`` projection, as the module computes it."""
@@ -110,6 +116,31 @@ class OlmoHybridDeltaView(DeltaView):
         return self.m.o_proj
 
 
+class KimiDeltaView(DeltaView):
+    """``KimiLinearDeltaAttention`` (Kimi Delta Attention): q/k/v projections, a low-rank forget
+    gate giving a log-decay per key channel ``(..., H, dk)`` (the module's ``forget_gate``), a
+    low-rank output gate, a sigmoid-gated norm, and Kimi's L2 norm ``x / sqrt(sum(x^2) + eps)``."""
+
+    @staticmethod
+    def heads(m):
+        return m.num_heads, m.num_heads, m.head_dim, m.head_dim
+
+    @staticmethod
+    def l2norm(x, eps: float = 1e-6):
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+    def project(self, h):
+        m = self.m
+        xbc = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
+        return xbc, m.forget_gate(h), m.b_proj(h).sigmoid(), m.g_b_proj(m.g_a_proj(h))
+
+    def norm(self):
+        return self.m.o_norm
+
+    def out_proj(self):
+        return self.m.o_proj
+
+
 class GatedAttentionView(AttentionView):
     """Qwen3.5's / Qwen3-Next's attention: ``q_proj`` gives each head's query and an output gate,
     RMSNorm on each head of q and k, rotary on the first ``partial_rotary_factor`` of each head,
@@ -134,3 +165,50 @@ class NormedAttentionView(AttentionView):
         return (m.q_norm(m.q_proj(h)).unflatten(-1, (self.num_heads, self.head_dim)),
                 m.k_norm(m.k_proj(h)).unflatten(-1, (self.num_key_value_heads, self.head_dim)),
                 m.v_proj(h).unflatten(-1, (self.num_key_value_heads, self.head_dim)))
+
+
+class LatentAttentionView:
+    """Kimi Linear's attention (MLA, DeepSeek-V2's, without rotary) in its absorbed form, so that
+    the cache holds the latent ``[c, k_pe]`` per position (one shared head of ``kv_lora_rank +
+    qk_rope_head_dim`` channels), as the model's own cache does, not per-head keys and values.
+
+    With ``W_k, W_v`` each head's slices of ``kv_b_proj`` and ``c`` the normalised latent,
+    ``q . k = (W_k^T q_nope) . c + q_pe . k_pe`` and ``attn @ v = W_v (attn @ c)``: the query
+    becomes ``[W_k^T q_nope, q_pe]`` against the latent as key, the latent is also the value, and
+    each head's output is read back through ``W_v`` (same scale, the per-head ``qk_head_dim``)."""
+
+    def __init__(self, m, layer_name: str):
+        cfg = m.config
+        if getattr(cfg, "sliding_window", None):
+            raise TypeError(f"{layer_name}: sliding-window attention is not supported over trees")
+        self.m = m
+        self.num_heads, self.num_key_value_heads = m.num_heads, 1
+        self.rank, self.nope, self.v_dim = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
+        self.head_dim = self.rank + m.qk_rope_head_dim
+        self.scale = m.scaling
+
+    def parameters(self):
+        return self.m.parameters()
+
+    def _kv_b(self):
+        """``kv_b_proj``'s weight as ``(heads, nope + v, rank)``."""
+        return self.m.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+
+    def project_qkv(self, h):
+        m = self.m
+        q = m.q_proj(h) if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(h)))
+        q = q.unflatten(-1, (self.num_heads, -1))
+        q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
+        w_k = self._kv_b()[:, :self.nope]  # (heads, nope, rank)
+        q = torch.cat([torch.einsum("blhn,hnr->blhr", q_nope, w_k), q_pe], dim=-1)
+        c, k_pe = m.kv_a_proj_with_mqa(h).split([self.rank, self.head_dim - self.rank], dim=-1)
+        latent = torch.cat([m.kv_a_layernorm(c), k_pe], dim=-1)[:, :, None]  # (b, l, 1, rank + rope)
+        return q, latent, latent
+
+    def apply_rotary(self, q, k, positions):
+        return q, k  # Kimi Linear's MLA has no rotary
+
+    def o_proj(self, out):
+        out = out.unflatten(-1, (self.num_heads, self.head_dim))[..., :self.rank]
+        w_v = self._kv_b()[:, self.nope:]  # (heads, v, rank)
+        return self.m.o_proj(torch.einsum("blhr,hvr->blhv", out, w_v).flatten(-2))
