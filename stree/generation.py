@@ -42,7 +42,9 @@ from stree.draft.base import MAX_LEAD, commit_draft, lead_tensor
 from stree.draft.suffix_index import SuffixCache
 from stree.inputs import stop_ids, token_id, token_ids, vocab_size
 from stree.limits import cap_new_tokens, context_limit
+from stree.prefix_cache import PrefixCache
 from stree.sampling import SamplingConfig, sample
+from stree.session import Session, Turn, suffix_cache_for
 from stree.stats import GenerationStats, timed
 from stree.tree import TokenTree
 from stree.verify import default_verifier, get_verifier
@@ -80,7 +82,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
              drafter: str | Drafter | None = None, verifier=None, method: str = "tree",
              generator: torch.Generator | None = None, streamer=None, pad_token_id: int | None = None,
              max_seqlen: int | None = None, compile: bool = False,
-             suffix_cache: SuffixCache | None = None) -> GenerationOutput:
+             suffix_cache: SuffixCache | None = None, session: Session | None = None,
+             prefix_cache: PrefixCache | None = None) -> GenerationOutput:
     """Generate with speculative tree decoding (or a baseline) from patched target/draft models.
 
     Args:
@@ -123,6 +126,16 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             passed to: suffix-tree drafters (``"suffix:N"``, merged trees, ``"auto"``) also draft
             from it, and each row's output is added to it at the end. Tied to the first
             target's vocabulary size.
+        session: a :class:`stree.Session`: ``input_ids`` are then this turn's new tokens (one
+            prompt), appended to its conversation; the call prefills only what the target has not
+            seen (the turn, and the end of the previous reply), decodes, and leaves the committed
+            state in the session for the next turn. ``sequences`` holds the turn and its reply;
+            ``session.tokens`` the whole conversation. Its ``suffix_cache`` serves suffix trees.
+        prefix_cache: a :class:`stree.PrefixCache` shared by calls: each row starts from the
+            longest cached prefix of its prompt (target and draft each) and prefills the rest;
+            snapshots of the committed state where the call ends and where a prompt branches off
+            a cached path. With ``session``, its first turn restores from it. Both need method
+            "tree", "chain" or "ar-tree"; see ``docs/conversations.md``.
     Raises:
         TypeError: a target (or draft) that ``stree.patch`` has not patched, non-integer
             ``input_ids``, ``eos_token_id``, ``pad_token_id`` or ``top_k``, a ``generator`` that is
@@ -131,7 +144,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             or device mismatch between target and draft (their dtypes may differ), a
             ``suffix_cache`` of another vocabulary, an empty
             prompt, token ids outside the vocabulary, a sequence that would not fit an explicit
-            ``max_seqlen``, or a prompt that leaves no room within a model's context limit.
+            ``max_seqlen``, or a prompt that leaves no room within a model's context limit;
+            a session or prefix cache of other models (nothing changes), a session with a batch.
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -144,6 +158,7 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
         raise TypeError(f"streamer must have put(tokens) and end() methods, got {type(streamer).__name__}")
     device = _device(target)
+    suffix_cache = suffix_cache_for(session, suffix_cache, drafter)
     drafter, verifier = resolve(method, drafter, verifier, sampling, compile, device,
                                 suffix_cache=suffix_cache, draft_model=draft is not None)
     if drafter.uses_draft_model:
@@ -152,6 +167,11 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
     # every check of the request before anything runs or is allocated
     vocab = vocab_size(target)
     prompts = _as_prompts(input_ids, device, vocab)
+    shown, turn = prompts, None
+    if session is not None or prefix_cache is not None:  # caches that outlive the call (stree.session)
+        turn = Turn(method, target, draft if drafter.uses_draft_model else None, prompts, session=session,
+                    prefix_cache=prefix_cache, max_seqlen=max_seqlen)
+        prompts, max_seqlen = turn.prompts, turn.max_seqlen
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)  # numpy integers too
@@ -179,14 +199,21 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
                               stats, device, compile)
         return _finish(prompts, new, stats, start, eos, pad_token_id)
     b = len(prompts)
+    caches = (None, None)
+    if turn is not None:  # restored or held prefixes, counted as prefill
+        with timed(stats, "prefill_s", device):
+            caches = turn.start(seqlen)
     side = (_UnrolledTarget(target, b, drafter.max_leaves, seqlen) if method == "unrolled"
-            else _PackedTarget(target, b, seqlen))
-    drafting = _DraftSide(draft if drafter.uses_draft_model else None, drafter, b, seqlen, stats, compile)
+            else _PackedTarget(target, b, seqlen, caches[0]))
+    drafting = _DraftSide(draft if drafter.uses_draft_model else None, drafter, b, seqlen, stats, compile,
+                          caches[1])
     with torch.inference_mode(), (capture.compiled(target, drafting.model) if compile
                                    else contextlib.nullcontext()):
         new = _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, generator,
-                    streamer, stats, device)
-    return _finish(prompts, new, stats, start, eos, pad_token_id)
+                    streamer, stats, device, keep=turn is not None, shown=shown)
+    if turn is not None:
+        turn.end(new, max_new_tokens)
+    return _finish(shown, new, stats, start, eos, pad_token_id)
 
 
 def _finish(prompts, new, stats, start: float, eos: set[int], pad_token_id) -> GenerationOutput:
@@ -243,12 +270,14 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
 
 # ------------------------------------------------------------------------------------ the loop
 def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, generator, streamer,
-          stats, device) -> list[list[int]]:
-    """Run Algorithm 1 until every row is done; returns each row's new tokens."""
+          stats, device, *, keep: bool = False, shown=None) -> list[list[int]]:
+    """Run Algorithm 1 until every row is done; returns each row's new tokens. ``keep``: the
+    caller keeps the target's cache (a conversation), so the last step's emitted path is
+    committed too; ``shown``: the prompts the streamer gets (default ``prompts``)."""
     b = len(prompts)
     new: list[list[int]] = [[] for _ in range(b)]
     if streamer is not None:
-        streamer.put(prompts[0][None].cpu())
+        streamer.put((prompts if shown is None else shown)[0][None].cpu())
     done = [max_new_tokens == 0] * b
     if not all(done):
         with timed(stats, "prefill_s", device):
@@ -272,13 +301,21 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
         nodes = [r[k:] for r in read]
         # path nodes per row, from the tokens already on the host (no further device sync)
         counts = [0 if done[r] else 1 + sum(t >= 0 for t in toks) for r, toks in enumerate(accepted)]
+        emitted = [0] * b
         for r, (toks, nxt) in enumerate(zip(accepted, next_tokens)):
             if done[r]:
                 continue
             before = len(new[r])
             done[r] = _emit(new[r], [t for t in toks if t >= 0] + [nxt], max_new_tokens, eos, streamer)
-            stats.record_step(len(new[r]) - before)
+            emitted[r] = len(new[r]) - before
+            stats.record_step(emitted[r])
         if all(done):
+            if keep:  # commit the root and the accepted nodes this step emitted (not the next token)
+                kept = [min(c, 1 + e) for c, e in zip(counts, emitted)]
+                cols = torch.arange(verdict.path.shape[1], device=verdict.path.device)
+                last = verdict.path.masked_fill(cols >= torch.tensor(kept, device=cols.device)[:, None], -1)
+                with timed(stats, "replay_s", device):
+                    side.commit(d.tree, last, kept)
             break
         # Finished rows stop advancing (their later trees are padding).
         path = verdict.path
@@ -322,9 +359,13 @@ class _DraftSide:
     (usually the first with every node accepted) does not stop to compile mid-generation."""
 
     def __init__(self, model, drafter: Drafter, batch_size: int, max_seqlen: int,
-                 stats: GenerationStats, compile: bool = False):
+                 stats: GenerationStats, compile: bool = False, cache=None):
         self.model, self.drafter, self.stats = model, drafter, stats
-        self.cache = None if model is None else model.allocate_tree_cache(batch_size, max_seqlen)
+        if model is None:
+            cache = None
+        elif cache is None:
+            cache = model.allocate_tree_cache(batch_size, max_seqlen)
+        self.cache = cache  # given: rows holding a prefix of their prompts (stree.session)
         self.backlog: list[list[int]] = [[] for _ in range(batch_size)]
         self.takes_lead = False  # whether drafts take a lead (set by draft: it depends on the sampling)
         self.unwarmed = compile  # the lead's graph is still to be compiled (see above)
@@ -419,9 +460,9 @@ class _DraftSide:
 class _PackedTarget:
     """STree: the whole tree in one ``tree_forward``; commit replays the accepted path."""
 
-    def __init__(self, model, batch_size: int, max_seqlen: int):
-        self.model = model
-        self.cache = model.allocate_tree_cache(batch_size, max_seqlen)
+    def __init__(self, model, batch_size: int, max_seqlen: int, cache=None):
+        self.model = model  # a given cache's rows hold a prefix of their prompts (stree.session)
+        self.cache = cache if cache is not None else model.allocate_tree_cache(batch_size, max_seqlen)
 
     def prefill(self, prompts: list[Tensor]) -> Tensor:
         return _prefill(self.model, self.cache, prompts)
@@ -494,10 +535,14 @@ class _UnrolledTarget:
 
 # ---------------------------------------------------------------------------------- helpers
 def _prefill(model, cache, prompts: list[Tensor], logits: bool = True) -> Tensor | None:
-    """Prefill and commit every prompt; returns the last position's logits ``(b, v)`` (None with
+    """Prefill and commit every prompt past what its cache row holds (``cache.seqlens``: a
+    prefix of it, none in a new cache); returns the last position's logits ``(b, v)`` (None with
     ``logits=False``: the head is not run)."""
+    held = cache.seqlens
+    if any(held):
+        prompts = [p[n:] for p, n in zip(prompts, held)]
     lengths = [len(p) for p in prompts]
-    ragged = len(set(lengths)) > 1  # then rows are prefilled separately
+    ragged = len(set(lengths)) > 1 or len(set(held)) > 1  # then rows are prefilled separately
     out = model.prefill(list(prompts) if ragged else torch.stack(prompts), cache, logits=logits)
     if out is None:
         return None
