@@ -19,6 +19,8 @@
   its own argument parser. A ``scripts/venv-vllm python SCRIPT ...`` line is checked the same way
   in the main environment (the benchmark scripts import vLLM only once they run); other
   ``scripts/venv-vllm`` commands need the vLLM environment and are left to ``tests/vllm/``.
+  The values ``--help`` cannot check are parsed too: the methods of ``bench/e2e.py``,
+  ``bench/vllm.py`` and ``bench/vllm_profile.py`` commands, the ``--tree`` of ``stree`` ones.
 * The README's Python blocks run as shown, in order, in a fresh interpreter from the repository
   root, on the shipped pair. Their one placeholder, the path of a transformers checkpoint, is
   replaced by a tiny random ``Mamba2ForCausalLM`` saved here (:data:`PLACEHOLDERS`).
@@ -282,6 +284,55 @@ def test_commands_run_with_help():
             failures.append(f"{' '.join(r['args'])} --help: exit {r['code']}, flags not in its "
                             f"help: {unknown}\n{r['output'][-1500:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    if flag not in args:
+        return []
+    rest = args[args.index(flag) + 1:]
+    return rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+
+def _bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_docs_bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_command_values_parse():
+    """What ``--help`` cannot check: every method a benchmark command names and every tree a
+    ``stree`` command names is one its parser takes (``bench/e2e.py``'s method specs with their
+    drafter and verifier, ``bench/vllm.py``'s method names, ``stree``'s ``--tree`` specs)."""
+    pytest.importorskip("torch")
+    from stree.draft import parse_drafter
+    from stree.verify.registry import VERIFIERS
+
+    e2e, vllm_bench = _bench_module("e2e"), _bench_module("vllm")
+    bad = []
+    for doc in DOCS:
+        for args in commands(doc):
+            args = args[1:] if args[0] in ("scripts/venv", "scripts/venv-vllm") else args
+            script = args[1] if len(args) > 1 and args[0] == "python" else None
+            try:
+                if script == "bench/e2e.py":
+                    for spec in _flag_values(args, "--methods"):
+                        method = e2e.Method.parse(spec)
+                        if method.drafter:
+                            parse_drafter(method.drafter)
+                        assert method.verifier in (None, *VERIFIERS), f"verifier {method.verifier!r}"
+                elif script in ("bench/vllm.py", "bench/vllm_profile.py"):
+                    unknown = set(_flag_values(args, "--methods")) - set(vllm_bench.METHODS)
+                    assert not unknown, f"methods {sorted(unknown)}"
+                elif args[0] == "stree":
+                    for spec in _flag_values(args, "--tree"):
+                        parse_drafter(spec)
+            except (AssertionError, ValueError) as err:
+                bad.append(f"{rel(doc)}: {' '.join(args)}: {err}")
+    assert not bad, "\n".join(bad)
 
 
 def test_readme_first_block_runs_literally():
