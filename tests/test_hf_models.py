@@ -329,3 +329,51 @@ def test_ungrouped_norm_of_older_transformers_is_computed_grouped(tmp):
         want, ungrouped = grouped(y, z), mixer.norm(y, z)
         close(view.norm(y, z), want, "grouped norm", atol=1e-5)
         assert (ungrouped - want).abs().max() > 1e-2  # the old module alone computes another function
+
+
+def test_gated_delta_targets_refuse_bad_pairs_and_variants_before_anything_runs(tmp):
+    """A GDN target with a draft of another vocabulary or on another device, and a GDN layer whose
+    short conv is no silu (math stree does not run), are refused with one clear error."""
+    target, _ = build("qwen3_5", tmp, seed=9)
+    other_vocab, _ = build("mamba2", tmp, seed=9, vocab=VOCAB + 3, layers=1)
+    prompt = torch.tensor([[5, 17, 33]])
+    stree.patch(target)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        stree.generate(target, stree.patch(other_vocab), prompt, 8)
+    draft, _ = build("qwen3_5", tmp, seed=10, layers=1)
+    with pytest.raises(ValueError, match="device mismatch: the target is on cpu, the draft on meta"):
+        stree.generate(target, stree.patch(draft.to("meta")), prompt, 8)
+    variant, _ = build("qwen3_next", tmp, seed=9)
+    variant.model.layers[2].linear_attn.activation = "gelu"
+    with pytest.raises(TypeError, match=r"Qwen3NextForCausalLM layer 2 \(Gated DeltaNet\).*'gelu'"):
+        stree.patch(variant)
+
+
+def test_a_gated_delta_draft_drafts_for_a_mambainllama_target(tmp):
+    """A transformers Qwen3.5-shaped draft for stree's own MambaInLlama hybrid (Mamba2 + Llama
+    attention) of the same vocabulary: every tree kind gives the target's own greedy output."""
+    from tests.test_model_hybrid import VOCAB as HYBRID_VOCAB, make_hybrid
+
+    target = make_hybrid((1, 3), seed=8)
+    draft, _ = build("qwen3_5", tmp, seed=11, vocab=HYBRID_VOCAB, layers=1)
+    prompt = torch.tensor([[5, 17, 33, 8, 41, 12]])
+    ref = target.generate(prompt, max_new_tokens=48)[0, prompt.shape[1]:].tolist()
+    stree.patch(target), stree.patch(draft)
+    for method, drafter in [("tree", "caterpillar:2,2,2"), ("tree", "static:fig4a"), ("chain", "chain:4"),
+                            ("tree", "dyspec:10"), ("tree", "auto")]:
+        out = stree.generate(target, draft, prompt, 48, method=method, drafter=drafter)
+        assert out.sequences[0, prompt.shape[1]:].tolist() == ref, f"{method} {drafter}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_suffix_merged_and_auto_trees_on_a_gated_delta_target_equal_its_own_generate(family, tmp):
+    """Model-free trees on a repetitive prompt (suffix:16, no draft model), merged trees and auto."""
+    target, _ = build(family, tmp, seed=12)
+    draft, _ = build("qwen3_5", tmp, seed=13, layers=1)
+    target.generation_config.eos_token_id = None
+    prompt = torch.tensor([[5, 17, 33, 8, 41, 12] * 4])
+    ref = target.generate(prompt, max_new_tokens=64, do_sample=False)[0, prompt.shape[1]:].tolist()
+    stree.patch(target), stree.patch(draft)
+    for d, drafter in [(None, "suffix:16"), (draft, "caterpillar:2,2,2+suffix:16"), (draft, "auto")]:
+        out = stree.generate(target, d, prompt, 64, drafter=drafter)
+        assert out.sequences[0, prompt.shape[1]:].tolist() == ref, drafter

@@ -32,6 +32,11 @@ def _zamba2(tmp_path):
     return stree.patch(hf_models.build("zamba2", tmp_path)[0])
 
 
+def _kimi_linear(tmp_path):
+    # transformers' Kimi Linear: gated delta rule layers (a decay per key channel) and MLA's latent cache
+    return stree.patch(hf_models.build("kimi_linear", tmp_path)[0])
+
+
 def _vocab(model):
     return model.lm_head.weight.shape[0]
 
@@ -82,8 +87,8 @@ def _draft_levels(model, cache, ref, after=lambda when: None) -> TokenTree:
     return tree
 
 
-@pytest.mark.parametrize("make", [_hybrid, _mamba_ssm, _zamba2],
-                         ids=["hybrid", "mamba_ssm", "zamba2"])
+@pytest.mark.parametrize("make", [_hybrid, _mamba_ssm, _zamba2, _kimi_linear],
+                         ids=["hybrid", "mamba_ssm", "zamba2", "kimi_linear"])
 @pytest.mark.parametrize("slots", [[5, 2], [3, 4]], ids=["scattered", "contiguous"])
 def test_rows_in_arbitrary_slots_match_an_ordinary_cache_and_touch_nothing_else(make, slots, tmp_path):
     model = make(tmp_path)
