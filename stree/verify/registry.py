@@ -6,19 +6,22 @@ from stree.draft_types import DRAFT_MODES
 from stree.sampling import SamplingConfig
 from stree.verify.asps import ASpSVerifier
 from stree.verify.base import Verifier
+from stree.verify.block import BlockVerifier
 from stree.verify.chain_aware import ChainAwareVerifier
 from stree.verify.greedy import GreedyVerifier
 from stree.verify.mss import MSSVerifier
 from stree.verify.naive import NaiveVerifier
 from stree.verify.sps import SpSVerifier
+from stree.verify.traversal import TraversalVerifier
 
 VERIFIERS = {cls.name: cls for cls in (GreedyVerifier, MSSVerifier, NaiveVerifier, SpSVerifier,
-                                       ASpSVerifier, ChainAwareVerifier)}
+                                       ASpSVerifier, ChainAwareVerifier, BlockVerifier,
+                                       TraversalVerifier)}
 
 
 def get_verifier(name_or_obj) -> Verifier:
-    """A verifier by name ("greedy", "mss", "naive", "sps", "asps", "mss+asps"); an object with
-    verify/check as is."""
+    """A verifier by name ("greedy", "mss", "naive", "sps", "asps", "mss+asps", "block",
+    "traversal"); an object with verify/check as is."""
     if isinstance(name_or_obj, str):
         if name_or_obj not in VERIFIERS:
             raise ValueError(
