@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: caterpillar:2,2,2 on a CPU, fig4a on a GPU; chain:4 for "
                         "--method chain)")
     g.add_argument("--verifier", default=None,
-                   choices=["greedy", "mss", "naive", "sps", "asps", "mss+asps"],
+                   choices=["greedy", "mss", "naive", "sps", "asps", "mss+asps", "block",
+                            "traversal"],
                    help="default: the lossless one for the sampling config and drafter "
                         "(mss+asps: asps for sampled chains, mss for trees, per draft)")
     g.add_argument("--temperature", type=float, default=0.0)
