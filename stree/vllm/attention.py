@@ -48,6 +48,15 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
 
+# the attention implementations that compute tree rows (the CUDA one joins when it is built)
+TREE_IMPLS: list[type] = [TreeCPUAttentionImpl]
+
+
+def computes_tree_rows(impl) -> bool:
+    """Whether ``impl`` (a layer's vLLM attention implementation) is one of stree's tree backends'."""
+    return isinstance(impl, tuple(TREE_IMPLS))
+
+
 def _sub_batch(impl, layer, metadata: CPUAttentionMetadata, rows, tokens, loc, seq_lens, dtype):
     """``metadata`` cut to the batch rows ``rows`` (their query tokens ``tokens``, re-based
     ``query_start_loc`` ``loc``), with vLLM's kernel schedule for them."""
@@ -107,6 +116,7 @@ def flash_backend():
         def get_builder_cls():
             return TreeFlashAttentionMetadataBuilder
 
+    TREE_IMPLS.append(TreeFlashAttentionImpl)
     return TreeFlashAttentionBackend
 
 

@@ -157,6 +157,7 @@ class StreeProposer:
             raise ValueError(f"num_speculative_tokens={vllm_config.speculative_config.num_speculative_tokens} "
                              f"disagrees with tree {spec.tree!r}")
         self.stree_verifies = spec.stree_verifies
+        self.uses_mrope = vllm_config.model_config.uses_mrope  # the target's (checked in load_model)
         self.model = load_draft(spec.model, spec.draft_dtype) if spec.model is not None else None
         # (drafter, verifier) for greedy requests and for sampled ones: the draft mode, and with it
         # the lossless verifier, depends only on whether the request samples
@@ -203,16 +204,20 @@ class StreeProposer:
 
     # -- lifecycle (from vLLM and patch_runner) ---------------------------------------------------
     @torch.inference_mode()
-    def load_model(self, *args) -> None:
-        """Called by vLLM at start-up with the target (the draft is ours): compile the draft's
-        levels for the padded batch sizes up to ``PRECOMPILED`` now, on free slots (a request's
-        first draft zeroes its slot), with the shortest lead (and for a merged tree all of
-        them, for one request) or the one-token catch-up, and a sampled request's for one
-        request (the CPU default drafts only for a request running alone); and build stree's
-        C++ CPU ops for the target's tree rows (once per machine, cached), so the first tree
-        step does not wait for a compiler."""
+    def load_model(self, target, *args) -> None:
+        """Called by vLLM at start-up with the target (the draft is ours): refuse a target with
+        layers stree does not verify over a tree (:func:`stree.vllm.targets.check_layers`),
+        before anything runs; compile the draft's levels for the padded batch sizes up to
+        ``PRECOMPILED`` now, on free slots (a request's first draft zeroes its slot), with the
+        shortest lead (and for a merged tree all of them, for one request) or the one-token
+        catch-up, and a sampled request's for one request (the CPU default drafts only for a
+        request running alone); and build stree's C++ CPU ops for the target's tree rows (once
+        per machine, cached), so the first tree step does not wait for a compiler."""
         from vllm.platforms import current_platform
 
+        from stree.vllm.targets import check_layers
+
+        check_layers(target, self.stree_verifies, self.uses_mrope)
         if self.stree_verifies and current_platform.is_cpu():
             cpu_ops.ops()
         if not self.compiled:

@@ -5,8 +5,10 @@ spelling where vLLM's engine arguments turn the dict into a config (``create_spe
 and rewrites it to vLLM's custom-proposer method, pointing at
 :class:`stree.vllm.proposer.StreeProposer`. The stree settings travel to vLLM's engine and worker
 processes (started after this point, from this process) in the ``STREE_VLLM_DRAFT`` environment
-variable. Everything is checked here, at start-up, before any engine process exists: the draft
-loads and patches (Mamba-1 layers and other unsupported layers are refused by stree), its
+variable. Everything is checked here, at start-up, before any engine process exists: the target
+is of an architecture whose layers stree verifies over a tree (:data:`ARCHITECTURES`; its built
+layers are checked again in the engine, :mod:`stree.vllm.targets`), the draft is of a kind stree
+loads, loads and patches (Mamba-1 layers and other unsupported layers are refused by stree), its
 vocabulary equals the target's, the tree spec parses.
 
 What runs: any drafter spec stree parses (chains, static, caterpillar, beam, DySpec, DynaTree
@@ -57,6 +59,20 @@ DRAFT_DTYPES = ("float32", "bfloat16")
 # keys of stree's dict; every other key is refused (no silent typos)
 KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE, "suffix_cache_requests",
         "suffix_cache_tokens", SUFFIX_SAMPLED, DRAFT_DTYPE}
+# the targets (architectures as vLLM resolves them) whose vLLM classes are built from the layer
+# kinds stree verifies over a tree, Mamba2 mixers and plain causal attention (stree.vllm.targets
+# checks the built layers again), each tested inside vLLM (docs/vllm.md); every other one is refused
+ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
+                 "Zamba2ForCausalLM", "MambaInLlamaForCausalLM", "MambaInLlamaMambaOnlyForCausalLM")
+# the layers of some refused families, named in the error
+REFUSED_LAYERS = {"Qwen3NextForCausalLM": "Gated DeltaNet", "Qwen3_5ForCausalLM": "Gated DeltaNet",
+                  "Qwen3_5MoeForCausalLM": "Gated DeltaNet", "OlmoHybridForCausalLM": "Gated DeltaNet",
+                  "KimiLinearForCausalLM": "Kimi Delta Attention", "JambaForCausalLM": "Mamba-1",
+                  "MambaForCausalLM": "Mamba-1", "FalconMambaForCausalLM": "Mamba-1"}
+
+
+class UnsupportedTarget(ValueError):
+    """A target whose layers stree cannot verify over a tree inside vLLM."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +185,42 @@ def is_chain(tree: str) -> bool:
     return isinstance(parse_drafter(tree), ChainDrafter)
 
 
+def check_target(architecture: str) -> None:
+    """Raise :class:`UnsupportedTarget` unless vLLM's class for the target (``architecture``, as
+    vLLM resolved it) is one of :data:`ARCHITECTURES`: its error names the architecture (and the
+    layers of known families) and what is supported."""
+    if architecture in ARCHITECTURES:
+        return
+    layers = f" (its {REFUSED_LAYERS[architecture]} layers)" if architecture in REFUSED_LAYERS else ""
+    raise UnsupportedTarget(
+        f"speculative_config method 'stree': stree cannot verify trees on a {architecture} target inside "
+        f"vLLM{layers}. Supported targets, whose layers are Mamba2 mixers and plain causal attention: "
+        f"{', '.join(ARCHITECTURES)}; run this target without method 'stree'")
+
+
+def check_draft(directory: str) -> None:
+    """ValueError unless ``directory`` holds a checkpoint of a kind stree drafts with (what
+    :func:`stree.checkpoints.load_model` loads): a transformers class of :data:`stree.hf.SUPPORTED`,
+    a MambaInLlama hybrid (``mamba_config.json`` beside ``config.json``) or a mamba-ssm model
+    (``d_model`` and ``n_layer`` in its ``config.json``)."""
+    from stree import hf
+    from stree.checkpoints import check_model_dir, model_config
+
+    check_model_dir(directory)
+    if hf.is_checkpoint(directory) or os.path.isfile(os.path.join(directory, "mamba_config.json")):
+        return
+    config = model_config(directory)
+    if "d_model" in config and "n_layer" in config:
+        return
+    archs = config.get("architectures") or []
+    llama = (" (a MambaInLlama hybrid keeps its Mamba layers' settings in a mamba_config.json beside its "
+             "Llama-style config.json: it is missing)" if config.get("model_type") == "llama" else "")
+    raise ValueError(f"speculative_config['model']={directory!r}: stree cannot draft with this checkpoint "
+                     f"(architectures={archs}, model_type={config.get('model_type')!r}){llama}. stree drafts "
+                     f"with transformers' {', '.join(hf.SUPPORTED)}, MambaInLlama hybrids (config.json with "
+                     "mamba_config.json) and mamba-ssm checkpoints")
+
+
 def load_draft(directory: str, dtype: str = "float32"):
     """The patched draft model (CPU, in ``dtype``) from a checkpoint directory stree can load."""
     import torch
@@ -191,9 +243,10 @@ def default_draft_dtype() -> str:
 def translate(config: dict, target_vocab_size: int) -> dict:
     """stree's speculative dict -> vLLM's custom-proposer dict (and the environment variable).
 
-    Raises ValueError (unknown key, missing draft, tree spec, vocabulary mismatch, trees on a
-    GPU without ``STREE_VLLM_GPU_TREES=1``) or the
-    draft loader's error, all before any engine process starts.
+    Raises ValueError (unknown key, missing draft, tree spec, a draft of a kind stree does not
+    load, vocabulary mismatch, trees on a GPU without ``STREE_VLLM_GPU_TREES=1``) or the
+    draft loader's error, all before any engine process starts (the target is checked before,
+    by :func:`check_target`).
     """
     from vllm.platforms import current_platform
 
@@ -247,6 +300,8 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     if config.get("num_speculative_tokens") not in (None, k):
         raise ValueError(f"speculative_config: num_speculative_tokens={config['num_speculative_tokens']} "
                          f"disagrees with tree {spec.tree!r} ({k} draft tokens); leave it out")
+    if spec.model is not None:
+        check_draft(spec.model)
     draft_vocab = target_vocab_size if spec.model is None else vocab_size(load_draft(spec.model, spec.draft_dtype))
     if draft_vocab != target_vocab_size:
         raise ValueError(f"speculative_config: the draft's vocabulary ({draft_vocab} tokens, {spec.model}) "
@@ -286,6 +341,7 @@ def patch_engine_args() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         config = self.speculative_config
         if isinstance(config, dict) and config.get("method") == "stree":
+            check_target(target_model_config.architecture)
             self.speculative_config = translate({k.replace("-", "_"): v for k, v in config.items()},
                                                 target_model_config.get_vocab_size())
         return original(self, target_model_config, target_parallel_config)

@@ -524,6 +524,20 @@ class FlashLayout:
         return ((slots // block) * s_block + (slots % block) * s_row)[:, None, :, None] + heads[:, None, None] + cols
 
 
+def attention_refusal(impl) -> str | None:
+    """What :func:`tree_attention` cannot compute in a layer whose vLLM attention implementation
+    is ``impl`` (ALiBi, a sliding window, attention sinks, a quantised KV cache), or None."""
+    if impl.alibi_slopes is not None:
+        return "ALiBi"
+    if impl.sliding_window not in (None, -1, (-1, -1)):
+        return f"a sliding window ({impl.sliding_window})"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    if getattr(impl, "is_fp8_kv_cache", False) or str(impl.kv_cache_dtype).startswith("fp8"):
+        return f"a quantised KV cache ({impl.kv_cache_dtype})"
+    return None
+
+
 def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata,
                    output: torch.Tensor, step: TreeStep, layout=None) -> None:
     """Recompute the attention rows of tree requests under the tree mask, in place.
@@ -537,12 +551,9 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
     stree's C++ op reads the cache in place, one call per tree shape; elsewhere each group's
     context is gathered and SDPA runs under the tree mask.
     """
-    if (impl.alibi_slopes is not None or impl.sliding_window not in (None, -1, (-1, -1))
-            or getattr(impl, "sinks", None) is not None):
-        raise NotImplementedError("stree: tree verification in vLLM supports plain causal attention only "
-                                  "(no ALiBi, sliding window or attention sinks)")
-    if getattr(impl, "is_fp8_kv_cache", False) or str(impl.kv_cache_dtype).startswith("fp8"):
-        raise NotImplementedError("stree: tree verification in vLLM needs an unquantised KV cache")
+    why = attention_refusal(impl)
+    if why is not None:  # refused at start-up (stree.vllm.targets); kept for direct callers
+        raise NotImplementedError(f"stree: tree verification in vLLM supports plain causal attention only, not {why}")
     if layout is None:
         layout = CacheLayout.probe(layer, key_cache.shape[2], key_cache.shape[3], key_cache.dtype,
                                    impl.kv_cache_dtype)
@@ -640,10 +651,11 @@ def verified_by_stree(params) -> bool:
 # -- the wrappers --------------------------------------------------------------------------------
 
 def _tree_proposer(runner):
-    from stree.vllm.proposer import StreeProposer
-
+    """The runner's :class:`~stree.vllm.proposer.StreeProposer` where stree verifies, else None;
+    known by its ``stree_verifies``, not imported (the proposer imports the layer check,
+    :mod:`stree.vllm.targets`, which imports this module)."""
     drafter = getattr(runner, "drafter", None)
-    return drafter if isinstance(drafter, StreeProposer) and drafter.stree_verifies else None
+    return drafter if getattr(drafter, "stree_verifies", False) else None
 
 
 def patch_trees() -> None:

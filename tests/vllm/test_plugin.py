@@ -304,3 +304,103 @@ def test_the_layers_are_registered_in_vllms_registries():
     assert AttentionBackendEnum.CPU_ATTN.get_class() is TreeCPUAttentionBackend
     mixer = MambaMixer2.__new__(MambaMixer2)
     assert type(mixer) is TreeMambaMixer2
+
+
+@pytest.mark.parametrize("architecture, layers", [("Qwen3NextForCausalLM", " (its Gated DeltaNet layers)"),
+                                                  ("KimiLinearForCausalLM", " (its Kimi Delta Attention layers)"),
+                                                  ("JambaForCausalLM", " (its Mamba-1 layers)"),
+                                                  ("LlamaForCausalLM", ""), ("TransformersForCausalLM", "")])
+def test_targets_of_other_architectures_refused(architecture, layers):
+    """Only the architectures whose vLLM classes are built from Mamba2 mixers and plain causal
+    attention pass; any other (a Gated DeltaNet hybrid, an unknown one, vLLM's Transformers
+    fallback) is refused, naming it, its layers where the family is known, and what is
+    supported."""
+    from stree.vllm.speculative import ARCHITECTURES, UnsupportedTarget, check_target
+
+    for supported in ARCHITECTURES:
+        check_target(supported)
+    with pytest.raises(UnsupportedTarget) as err:
+        check_target(architecture)
+    assert str(err.value) == (f"speculative_config method 'stree': stree cannot verify trees on a {architecture} "
+                              f"target inside vLLM{layers}. Supported targets, whose layers are Mamba2 mixers and "
+                              f"plain causal attention: {', '.join(ARCHITECTURES)}; run this target without method "
+                              "'stree'")
+
+
+def _bare(cls):
+    """An instance of ``cls`` that ``__init__`` never ran on (the layer check reads classes and a
+    few attributes), as vLLM's pluggable-layer registry picks its class."""
+    layer = cls.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    return layer
+
+
+def _attention(impl_cls, sliding_window=-1, kv_sharing=None):
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layer = _bare(Attention)
+    layer.attn_type, layer.kv_sharing_target_layer_name = "decoder", kv_sharing
+    layer.impl = impl_cls.__new__(impl_cls)
+    layer.impl.alibi_slopes, layer.impl.sliding_window, layer.impl.sinks, layer.impl.kv_cache_dtype = (
+        None, sliding_window, None, "auto")
+    return layer
+
+
+def test_layer_check_allows_mamba2_and_plain_attention_only():
+    """The layers of the built target: vLLM's Mamba2 mixer (stree's) and plain decoder attention
+    on stree's tree backend pass; a Gated DeltaNet layer, a sliding window, KV sharing, vLLM's
+    own attention backend where stree verifies, M-RoPE are refused, each kind named with its
+    first layer."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from stree.vllm.attention import TreeCPUAttentionImpl
+    from stree.vllm.speculative import UnsupportedTarget
+    from stree.vllm.targets import check_layers
+
+    plugin.register()
+    supported = torch.nn.ModuleList([_bare(MambaMixer2), _attention(TreeCPUAttentionImpl)])
+    check_layers(supported, stree_verifies=True, uses_mrope=False)
+    check_layers(torch.nn.ModuleList([_attention(CPUAttentionBackendImpl)]), stree_verifies=False, uses_mrope=False)
+    mixed = torch.nn.ModuleList([*supported, _bare(QwenGatedDeltaNetAttention), _bare(QwenGatedDeltaNetAttention),
+                                 _attention(TreeCPUAttentionImpl, sliding_window=8),
+                                 _attention(TreeCPUAttentionImpl, kv_sharing="0"), _attention(CPUAttentionBackendImpl)])
+    with pytest.raises(UnsupportedTarget) as err:
+        check_layers(mixed, stree_verifies=True, uses_mrope=True)
+    assert str(err.value) == (
+        "speculative_config method 'stree': stree cannot verify trees on this ModuleList target inside vLLM: it "
+        "has QwenGatedDeltaNetAttention layers (2 and 1 more); attention with a sliding window (8) (4); attention "
+        "sharing another layer's KV cache (5); attention on a backend without tree rows (CPUAttentionBackendImpl) "
+        "(6); multimodal rotary positions (M-RoPE). stree verifies Mamba2 layers (vLLM's MambaMixer2) and plain "
+        "causal decoder attention (vLLM's Attention: no ALiBi, sliding window, sinks, KV sharing or quantised KV "
+        "cache) only; run this target without method 'stree'")
+    with pytest.raises(UnsupportedTarget, match=r"M-RoPE\)\. stree verifies"):
+        check_layers(supported, stree_verifies=True, uses_mrope=True)
+
+
+def test_drafts_stree_cannot_load_refused_by_kind(monkeypatch, tmp_path):
+    """A draft checkpoint of a kind stree does not draft with (a Jamba: Mamba-1 layers) is refused
+    naming its architecture and the kinds stree loads, before anything loads; a Llama config is
+    told about the missing mamba_config.json."""
+    from stree import hf
+    from stree.vllm.speculative import ENV, translate
+
+    from tests.vllm.drafts import mamba1_hybrid
+
+    monkeypatch.setenv(ENV, "")
+    kinds = (f"stree drafts with transformers' {', '.join(hf.SUPPORTED)}, MambaInLlama hybrids (config.json with "
+             "mamba_config.json) and mamba-ssm checkpoints")
+    jamba = mamba1_hybrid(tmp_path / "jamba")
+    with pytest.raises(ValueError) as err:
+        translate({"method": "stree", "model": jamba, "tree": "chain:4"}, 61)
+    assert str(err.value) == (f"speculative_config['model']={jamba!r}: stree cannot draft with this checkpoint "
+                              f"(architectures=['JambaForCausalLM'], model_type='jamba'). {kinds}")
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    shutil.copy(f"{TARGET}/config.json", llama / "config.json")  # no mamba_config.json
+    with pytest.raises(ValueError, match=r"model_type='llama'\) \(a MambaInLlama hybrid keeps its Mamba layers' "
+                                         r"settings in a mamba_config.json beside its Llama-style config.json: it "
+                                         r"is missing\)\. stree drafts with"):
+        translate({"method": "stree", "model": str(llama), "tree": "chain:4"}, 4096)
+    translate({"method": "stree", "model": DRAFT, "tree": "chain:4"}, 4096)  # MambaInLlama passes

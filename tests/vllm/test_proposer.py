@@ -10,13 +10,15 @@ from stree.vllm.proposer import StreeProposer, batch_sizes
 from stree.vllm.speculative import ENV, DraftSpec, draft_size
 
 DRAFT = "models/stree-tiny/draft"
+TARGET = torch.nn.Module()  # what vLLM passes to load_model: a target with no layers to refuse
 
 
 def _proposer(monkeypatch, tree: str, enforce_eager: bool) -> StreeProposer:
     monkeypatch.setenv(ENV, "")
     DraftSpec(DRAFT, tree).to_env()
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=draft_size(tree)),
-                             model_config=SimpleNamespace(enforce_eager=enforce_eager, max_model_len=256),
+                             model_config=SimpleNamespace(enforce_eager=enforce_eager, max_model_len=256,
+                                                          uses_mrope=False),
                              scheduler_config=SimpleNamespace(max_num_seqs=2))
     return StreeProposer(config)
 
@@ -43,7 +45,8 @@ def test_draft_levels_compiled_with_vllm_compile(monkeypatch, tree, compiles):
 
 def _config(tree: str, enforce_eager: bool, max_num_seqs: int) -> SimpleNamespace:
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=draft_size(tree)),
-                           model_config=SimpleNamespace(enforce_eager=enforce_eager, max_model_len=256),
+                           model_config=SimpleNamespace(enforce_eager=enforce_eager, max_model_len=256,
+                                                        uses_mrope=False),
                            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
@@ -84,7 +87,7 @@ def test_batched_drafts_equal_each_request_drafted_alone(monkeypatch, tree, enfo
     monkeypatch.setenv(ENV, "")
     DraftSpec(DRAFT, tree).to_env()
     batched = StreeProposer(_config(tree, enforce_eager, 4))
-    batched.load_model(None)
+    batched.load_model(TARGET)
     if not enforce_eager:
         assert batched.sizes == [1, 2, 4] and len(batched.scratch) == 1  # three requests: one scratch row
     together = _run(batched, SCHEDULE, HISTORIES, {})
@@ -191,7 +194,7 @@ def test_one_token_catch_up_drafts_what_a_fresh_prefill_does(monkeypatch, enforc
     proposer = _proposers(monkeypatch)
     drafting = proposer(enforce_eager)
     drafting.takes_lead = {True: False, False: False}
-    drafting.load_model(None)
+    drafting.load_model(TARGET)
     history, one_token = [0, 5, 17, 33, 80, 100], []
     original = drafting._one_token
     monkeypatch.setattr(drafting, "_one_token", lambda *a: one_token.append(1) or original(*a))
@@ -249,7 +252,7 @@ def test_tokens_behind_run_as_the_next_drafts_lead_drafting_what_a_fresh_prefill
     proposer = _proposers(monkeypatch, tree)
     drafting = proposer(enforce_eager)
     assert drafting.takes_lead == {True: True, False: True}
-    drafting.load_model(None)
+    drafting.load_model(TARGET)
     leads, prefills = [], []
     draft_levels, prefill = drafting.model.draft_levels, drafting.model.prefill
     monkeypatch.setattr(drafting.model, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
@@ -287,7 +290,7 @@ def test_solo_steps_leave_the_draft_behind_drafting_what_a_fresh_prefill_does(mo
     that prefills the whole history."""
     proposer = _proposers(monkeypatch, "caterpillar:2,2,2+suffix:16:solo=2")
     drafting = proposer(enforce_eager)
-    drafting.load_model(None)
+    drafting.load_model(TARGET)
     levels = []
     draft_levels = drafting.model.draft_levels
     monkeypatch.setattr(drafting.model, "draft_levels", lambda *a, **kw: levels.append(1) or draft_levels(*a, **kw))

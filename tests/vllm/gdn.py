@@ -1,0 +1,31 @@
+"""Tiny random Gated DeltaNet hybrids for the vLLM tests, written with transformers' ``save_pretrained``.
+
+vLLM's CPU GDN op runs bf16 only and needs a 64-wide linear-attention head; vLLM's Qwen3-Next
+class needs MoE layers (four tiny experts here). Three GDN layers and one gated attention layer,
+as in the released models.
+"""
+from __future__ import annotations
+
+VOCAB = 61
+
+
+def qwen3_next_config():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+
+
+def qwen3_next(directory, seed: int = 0) -> str:
+    """A random bf16 ``Qwen3NextForCausalLM`` checkpoint in ``directory``."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    Qwen3NextForCausalLM(qwen3_next_config()).to(torch.bfloat16).save_pretrained(directory)
+    return str(directory)
