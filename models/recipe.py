@@ -1,4 +1,6 @@
-"""Train stree-tiny: a small hybrid Mamba2+attention target and a 1-layer Mamba2 draft distilled from it.
+"""Train stree-tiny: a small hybrid Mamba2+attention target and a 1-layer Mamba2 draft distilled from it
+(or, with ``--pair gdn``, stree-gdn: a Qwen3.5-shaped Gated DeltaNet hybrid and a one-layer Gated
+DeltaNet draft, transformers' ``Qwen3_5ForCausalLM`` saved with ``save_pretrained``).
 
 Fully offline and seeded. The corpus is the Python standard library's source (``models/data.py``), the
 tokenizer a byte-level BPE trained on its training split, the target a MambaInLlama-layout hybrid
@@ -15,6 +17,8 @@ the shipped weights), and described in a model card.
     python models/recipe.py --out models/stree-tiny --target-from models/stree-tiny/target  # draft only
     python models/recipe.py --out /tmp/trial/stree-tiny --budget-minutes 2  # calibration run
     python models/recipe.py --out /tmp/big --device cuda                 # same shapes, big batches, GPU
+    python models/recipe.py --out models/stree-gdn --pair gdn --target-steps 1500 --draft-steps 1000 \
+        --continuations 2048                                             # the Gated DeltaNet pair
 
 By default each phase runs a fixed number of steps (``--target-steps``, ``--draft-steps``; the
 schedule follows the step count), so a run repeats exactly given the seed, whatever else the machine
@@ -75,6 +79,72 @@ class ModelShape:
             bos_token_id=eos_id, eos_token_id=eos_id)
 
 
+    def describe(self) -> str:
+        kind = f"attention layers {list(self.attn_layers)}" if self.attn_layers else "no attention (pure Mamba2)"
+        return (f"MambaInLlama hybrid: {_n(self.num_layers, 'layer')}, d_model {self.hidden_size}, {kind}; "
+                f"{_n(self.num_heads, 'head')} (d_state = head_dim = {self.hidden_size // self.num_heads}), "
+                f"{self.num_kv_heads} KV / x-B group{'s' if self.num_kv_heads > 1 else ''}; SwiGLU MLP "
+                f"{self.intermediate_size}; {'tied' if self.tie_embeddings else 'untied'} embeddings")
+
+
+@dataclass
+class GatedDeltaShape:
+    """Sizes of one Qwen3.5-shaped hybrid (transformers' ``Qwen3_5ForCausalLM``): ``layer_types``
+    of ``linear_attention`` (Gated DeltaNet: ``linear_key_heads`` q/k heads serving
+    ``linear_value_heads`` value heads of ``linear_head_dim``) and ``full_attention`` (Qwen's gated
+    attention: ``num_heads`` heads of ``head_dim``, ``num_kv_heads`` K/V heads, rotary on
+    ``partial_rotary`` of each head)."""
+
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_head_dim: int
+    intermediate_size: int
+    partial_rotary: float = 0.5
+    tie_embeddings: bool = True
+
+    def to_config(self, vocab_size: int, eos_id: int, max_len: int):
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=len(self.layer_types), layer_types=list(self.layer_types),
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            linear_num_key_heads=self.linear_key_heads, linear_num_value_heads=self.linear_value_heads,
+            linear_key_head_dim=self.linear_head_dim, linear_value_head_dim=self.linear_head_dim,
+            linear_conv_kernel_dim=4, tie_word_embeddings=self.tie_embeddings, max_position_embeddings=max_len,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": self.partial_rotary},
+            bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+
+    def describe(self) -> str:
+        gdn = sum(t == "linear_attention" for t in self.layer_types)
+        attn = len(self.layer_types) - gdn
+        return (f"Qwen3.5-shaped hybrid (`Qwen3_5ForCausalLM`): {_n(len(self.layer_types), 'layer')}, d_model "
+                f"{self.hidden_size}: {gdn} Gated DeltaNet ({self.linear_key_heads} q/k heads for "
+                f"{self.linear_value_heads} value heads of {self.linear_head_dim})"
+                + (f", {attn} gated attention ({_n(self.num_heads, 'head')} of {self.head_dim}, "
+                   f"{self.num_kv_heads} KV, rotary on {self.partial_rotary:.0%})" if attn else "")
+                + f"; SwiGLU MLP {self.intermediate_size}; {'tied' if self.tie_embeddings else 'untied'} embeddings")
+
+
+def gdn_shapes() -> tuple[GatedDeltaShape, GatedDeltaShape]:
+    """The Gated DeltaNet pair (``--pair gdn``): a target of Qwen3.5's layer mix (three Gated
+    DeltaNet layers to one gated attention layer) with heads of 64 (what vLLM 0.32's CPU GDN op
+    takes), and a one-layer Gated DeltaNet draft; 15 MB in fp16 together."""
+    target = GatedDeltaShape(hidden_size=256, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 2,
+                             num_heads=4, num_kv_heads=2, head_dim=64, linear_key_heads=2, linear_value_heads=4,
+                             linear_head_dim=64, intermediate_size=512)
+    draft = GatedDeltaShape(hidden_size=192, layer_types=("linear_attention",), num_heads=4, num_kv_heads=2,
+                            head_dim=64, linear_key_heads=2, linear_value_heads=4, linear_head_dim=64,
+                            intermediate_size=512)
+    return target, draft
+
+
 @dataclass
 class TrainSettings:
     """One training phase. ``steps`` None = run for ``budget_s`` seconds of wall clock."""
@@ -124,7 +194,7 @@ class RecipeConfig:
     # of the draft in the decoding loop on 2 CPU cores (its 65 MB of fp32 weights make a decoding step
     # memory-bound, as on a GPU, and it has 8x the layers). d_state = head_dim = 64; GQA 3:1 (x/B
     # groups likewise).
-    target: ModelShape = field(default_factory=lambda: ModelShape(
+    target: ModelShape | GatedDeltaShape = field(default_factory=lambda: ModelShape(
         hidden_size=384, num_layers=8, attn_layers=(1, 3, 5, 7), num_heads=6, num_kv_heads=2,
         intermediate_size=1024))
     # One wide Mamba2 layer, embeddings tied (the untied ones would not fit the 40 MB): on 2 CPU cores a
@@ -132,7 +202,7 @@ class RecipeConfig:
     # decoding loop than the two layers of width 192 shipped before (0.65 against 0.73-0.86 ms) and,
     # distilled the same way for 800 steps, agreed more with the target on its greedy text (0.58
     # against 0.53); width 384 cost more and agreed less on that text (model card).
-    draft: ModelShape = field(default_factory=lambda: ModelShape(
+    draft: ModelShape | GatedDeltaShape = field(default_factory=lambda: ModelShape(
         hidden_size=320, num_layers=1, attn_layers=(), num_heads=5, num_kv_heads=1,
         intermediate_size=896, tie_embeddings=True))
     # 2e-3: the 16M-parameter target is less stable than the small draft at 3e-3
@@ -173,12 +243,18 @@ def preset(device: str) -> RecipeConfig:
 # ------------------------------------------------------------------------------------------------
 # Model construction
 # ------------------------------------------------------------------------------------------------
-def build_model(shape: ModelShape, vocab_size: int, eos_id: int, max_len: int, seed: int):
-    """A freshly initialised hybrid (seeded, so target and draft inits do not depend on each other)."""
-    from stree.hybrid import MambaInLlamaForCausalLM
-
+def build_model(shape: ModelShape | GatedDeltaShape, vocab_size: int, eos_id: int, max_len: int, seed: int):
+    """A freshly initialised hybrid (seeded, so target and draft inits do not depend on each other).
+    A Gated DeltaNet hybrid keeps transformers' own init (its zero-centred norms, A_log and dt_bias
+    ranges are the family's)."""
     config = shape.to_config(vocab_size, eos_id, max_len)
     torch.manual_seed(seed)
+    if isinstance(shape, GatedDeltaShape):
+        from transformers import Qwen3_5ForCausalLM
+
+        return Qwen3_5ForCausalLM(config)
+    from stree.hybrid import MambaInLlamaForCausalLM
+
     model = MambaInLlamaForCausalLM(config)
     init_weights(model, config, seed)
     return model
@@ -220,9 +296,16 @@ def init_weights(model: torch.nn.Module, config, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * s)
 
 
-def _logits(out) -> torch.Tensor:
-    """The model returns logits; accept an output object with ``.logits`` too."""
-    return out if isinstance(out, torch.Tensor) else out.logits
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    """Logits ``(b, l, v)`` of ``model`` on ``x``, uncached: a MambaInLlama model returns them, a
+    transformers model an output object (and no cache is built: transformers' cache of a model
+    with no attention layer cannot tell its length)."""
+    from stree.hybrid import MambaInLlamaForCausalLM
+
+    if isinstance(model, MambaInLlamaForCausalLM):
+        out = model(x)
+        return out if isinstance(out, torch.Tensor) else out.logits
+    return model(x, use_cache=False).logits
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -305,7 +388,7 @@ class _null:
 
 def ce_loss(model, x, y):
     """Next-token cross-entropy (the target's objective)."""
-    logits = _logits(model(x)).float()
+    logits = _logits(model, x).float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     return ce, ce.detach()
 
@@ -317,8 +400,8 @@ def kd_loss(target, ce_weight: float, temperature: float):
 
     def fn(model, x, y):
         with torch.no_grad():
-            t_logits = _logits(target(x)).float()
-        d_logits = _logits(model(x)).float()
+            t_logits = _logits(target, x).float()
+        d_logits = _logits(model, x).float()
         v = d_logits.shape[-1]
         t_logp = F.log_softmax(t_logits.reshape(-1, v) / temperature, dim=-1)
         d_logp = F.log_softmax(d_logits.reshape(-1, v) / temperature, dim=-1)
@@ -400,8 +483,8 @@ def evaluate(target, draft, windows: torch.Tensor, device: str, batch_size: int 
     for i in range(0, windows.shape[0], batch_size):
         w = windows[i:i + batch_size].to(device)
         x, y = w[:, :-1], w[:, 1:]
-        lt = _logits(target(x)).float()
-        ld = _logits(draft(x)).float()
+        lt = _logits(target, x).float()
+        ld = _logits(draft, x).float()
         v = lt.shape[-1]
         sums["target_loss"] += F.cross_entropy(lt.reshape(-1, v), y.reshape(-1), reduction="sum").item()
         sums["draft_loss"] += F.cross_entropy(ld.reshape(-1, v), y.reshape(-1), reduction="sum").item()
@@ -425,8 +508,8 @@ def continuation_agreement(target, draft, windows: torch.Tensor, prompt_len: int
     length, then argmax draft == argmax target over the continuation (teacher-forced)."""
     seqs = continue_text(decoder(target), windows[:, :prompt_len].to(device), windows.shape[1] - prompt_len, 0.0)
     x = seqs[:, :-1]
-    at = _logits(target(x)).argmax(-1)[:, prompt_len - 1:]
-    ad = _logits(draft(x)).argmax(-1)[:, prompt_len - 1:]
+    at = _logits(target, x).argmax(-1)[:, prompt_len - 1:]
+    ad = _logits(draft, x).argmax(-1)[:, prompt_len - 1:]
     return (at == ad).float().mean().item()
 
 
@@ -457,7 +540,7 @@ def load_trained_target(cfg: RecipeConfig, tok):
 
 
 def save_checkpoint(model, tok, directory: Path, dtype: str) -> int:
-    """Save in the MambaInLlama layout in ``dtype`` (weights only; the live model is untouched) with the
+    """Save with the model's own ``save_pretrained`` (the MambaInLlama layout, or transformers') in ``dtype`` (weights only; the live model is untouched) with the
     tokenizer beside it. Returns the directory's size in bytes."""
     stored = copy.deepcopy(model).to("cpu", getattr(torch, dtype))
     stored.save_pretrained(str(directory))
@@ -467,8 +550,11 @@ def save_checkpoint(model, tok, directory: Path, dtype: str) -> int:
 
 def load_checkpoint(directory: Path):
     """Load back and cast to fp32: the checkpoint is stored in fp16/bf16 to stay small; CPU runs in fp32."""
+    import stree.hf
     from stree.hybrid import MambaInLlamaForCausalLM
 
+    if stree.hf.is_checkpoint(str(directory)):  # a transformers layout (the Gated DeltaNet pair)
+        return stree.hf.load(str(directory), dtype=torch.float32)
     return MambaInLlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
@@ -560,7 +646,7 @@ def run(cfg: RecipeConfig, out_dir: str | os.PathLike, card_path: str | os.PathL
 def _max_logit_diff(live, stored, x: torch.Tensor, device: str) -> float:
     """Largest logit change (one held-out window) between the trained fp32 model and its stored copy."""
     x = x.to(device)
-    return (_logits(live.to(device).float()(x)).float() - _logits(stored.to(device)(x)).float()).abs().max().item()
+    return (_logits(live.to(device).float(), x).float() - _logits(stored.to(device), x).float()).abs().max().item()
 
 
 def _device_name(device: str) -> str:
@@ -588,11 +674,15 @@ def render_card(r: dict, rel: str) -> str:
     c, e, cor, tr = r["config"], r["eval"], r["corpus"], r["train"]
 
     def shape(s):
-        kind = f"attention layers {list(s['attn_layers'])}" if s["attn_layers"] else "no attention (pure Mamba2)"
-        return (f"{_n(s['num_layers'], 'layer')}, d_model {s['hidden_size']}, {kind}; {_n(s['num_heads'], 'head')} "
-                f"(d_state = head_dim = {s['hidden_size'] // s['num_heads']}), {s['num_kv_heads']} KV / x-B "
-                f"group{'s' if s['num_kv_heads'] > 1 else ''}; SwiGLU MLP {s['intermediate_size']}; "
-                f"{'tied' if s['tie_embeddings'] else 'untied'} embeddings")
+        return (GatedDeltaShape(**s) if "layer_types" in s else ModelShape(**s)).describe()
+
+    gdn = "layer_types" in c["target"]
+    name = "stree-gdn" if gdn else "stree-tiny"
+    layout = ("a transformers checkpoint written by `save_pretrained`: `config.json` (`Qwen3_5TextConfig`), "
+              if gdn else "a public MambaInLlama checkpoint: `config.json` (Llama config), `mamba_config.json`\n"
+              "(MambaInLlama `MambaConfig`), ")
+    loader = ("`stree.hf.load(dir)` or `transformers.Qwen3_5ForCausalLM.from_pretrained(dir, dtype=torch.float32)`"
+              if gdn else "`stree.hybrid.MambaInLlamaForCausalLM.from_pretrained(dir, dtype=torch.float32)`")
 
     def phase(t, s):
         mode = f"{s['steps']} steps" if s["steps"] else f"{s['budget_s'] / 60:.1f} min budget"
@@ -613,14 +703,14 @@ def render_card(r: dict, rel: str) -> str:
     target_origin = ("" if "trained_by" not in tr["target"] else
                      f"\n  Trained by an earlier run, `{tr['target']['trained_by']}` (its draft steps are that run's, "
                      f"since replaced); this run kept the target (`--target-from`) and distilled the draft below.")
-    return f"""# stree-tiny: a real target/draft pair for speculative decoding tests and benchmarks
+    return f"""# {name}: a real target/draft pair for speculative decoding tests and benchmarks
 
 Generated by `models/recipe.py` (do not edit by hand; rerun the recipe). Two small models trained here,
 offline, on Python source code, so that speculative decoding has real (not random) acceptance:
 
 | | target (`{rel}/target`) | draft (`{rel}/draft`) |
 |---|---|---|
-| architecture | MambaInLlama hybrid: {shape(c['target'])} | {shape(c['draft'])} |
+| architecture | {shape(c['target'])} | {shape(c['draft'])} |
 | parameters | {r['params']['target']:,} | {r['params']['draft']:,} |
 | checkpoint | {mb['target']:.1f} MB ({c['save_dtype']}) | {mb['draft']:.1f} MB ({c['save_dtype']}) |
 | held-out loss (nats/token) | {e['target_loss']:.4f} | {e['draft_loss']:.4f} |
@@ -637,10 +727,9 @@ acceptance of speculative sampling at temperature 1 (mean of sum_x min(p, q))
 agreement (the per-token acceptance rate of greedy speculation) is **{e['greedy_text_agreement']:.4f}**.
 
 ## Layout and loading
-Each directory is a public MambaInLlama checkpoint: `config.json` (Llama config), `mamba_config.json`
-(MambaInLlama `MambaConfig`), `model.safetensors` (stored in {c['save_dtype']} to keep the repository small)
+Each directory is {layout}`model.safetensors` (stored in {c['save_dtype']} to keep the repository small)
 plus `tokenizer.json` (+ `tokenizer_config.json` for `transformers.AutoTokenizer`). Load with
-`stree.hybrid.MambaInLlamaForCausalLM.from_pretrained(dir, dtype=torch.float32)` (the card's numbers are of the stored
+{loader} (the card's numbers are of the stored
 weights loaded back and cast to fp32; storage changes the logits by at most
 {max(r['storage_max_logit_diff'].values()):.1e} on a held-out window). Both models share one tokenizer: byte-level BPE, vocab
 {c['vocab_size']}, `<|endoftext|>` = id 0 is EOS and BOS (training documents are `<|endoftext|>` + file
@@ -694,6 +783,9 @@ def parse_args(argv=None):
     p.add_argument("--continuations", type=int, default=None, metavar="N",
                    help="target-written sequences for the draft's distillation (default "
                         f"{ContinuationSettings.sequences}; 0: corpus text only)")
+    p.add_argument("--pair", choices=("mambainllama", "gdn"), default="mambainllama",
+                   help="mambainllama: stree-tiny's shapes; gdn: a Qwen3.5-shaped Gated DeltaNet target and "
+                        "a one-layer Gated DeltaNet draft (transformers' save_pretrained layout)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
     p.add_argument("--max-files", type=int, default=None, help="corpus slice (smoke runs)")
@@ -702,6 +794,8 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> RecipeConfig:
     cfg = preset(args.device)
+    if args.pair == "gdn":
+        cfg.target, cfg.draft = gdn_shapes()
     if args.budget_minutes is not None:
         budget = args.budget_minutes * 60
         cfg.target_train.budget_s = 0.62 * budget

@@ -1,4 +1,4 @@
-"""TreeDelta and delta replay: Triton (interpreter, fp32) vs reference vs a sequential oracle.
+"""TreeDelta, delta replay and the chunked rule: Triton (interpreter, fp32) vs reference vs a sequential oracle.
 
 The oracle runs the gated delta rule ``S = diag(exp g) S; u = beta (v - S^T k); S += k u^T;
 o = S^T q`` token by token along every root-to-node path, in float64. It shares no code with stree.
@@ -6,7 +6,7 @@ o = S^T q`` token by token along every root-to-node path, in float64. It shares 
 import pytest
 import torch
 
-from stree.kernels import delta_replay, tree_delta, tree_delta_ref
+from stree.kernels import chunk_delta, delta_replay, tree_delta, tree_delta_ref
 from stree.kernels._common import checks
 from tests.kernel_helpers import assert_close, chain, common_trees, padded_paths, path_to, random_tree
 
@@ -96,3 +96,20 @@ def test_bad_arguments_are_named():
         tree_delta_ref(**{**x, "mask": x["mask"].float()})
     with pytest.raises(ValueError, match="g must have shape"):
         tree_delta_ref(**{**x, "g": x["g"][..., None].expand(-1, -1, -1, 3)})
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("length", [1, 37, 64, 150])
+def test_chunked_rule_over_a_sequence_matches_the_sequential_rule(length, per_channel):
+    """``chunk_delta`` (prefill, training): outputs and the final state, across chunk borders and
+    with a padded last chunk; it is differentiable."""
+    parents = chain(length)
+    x = make_inputs([parents], per_channel=per_channel, seed=length)
+    q = x["q"].clone().requires_grad_()
+    o, state = chunk_delta(q, x["k"], x["v"], x["g"], x["beta"], x["initial_state"])
+    for t in range(length):
+        want, S = oracle(x, parents, 0, t)
+        assert_close(o[0, t], want, TOL, f"token {t}")
+    assert_close(state[0], S, TOL, "final state")
+    (o.sum() + state.sum()).backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0

@@ -53,7 +53,7 @@ def test_recipe_smoke(tmp_path):
         model = recipe.load_checkpoint(d)
         assert all(p.dtype == torch.float32 for p in model.parameters())
         x = torch.randint(0, 320, (1, 8))
-        logits = recipe._logits(model(x))
+        logits = recipe._logits(model, x)
         assert logits.shape == (1, 8, 320) and torch.isfinite(logits).all()
         tied = model.lm_head.weight is model.model.embed_tokens.weight
         assert tied == (name == "draft"), f"{name}: tied embeddings not kept through save and load"
@@ -70,6 +70,35 @@ def test_recipe_smoke(tmp_path):
     tok = Tokenizer.from_file(str(out / "draft" / "tokenizer.json"))
     assert tok.token_to_id("<|endoftext|>") == 0
     assert tok.decode(tok.encode("def f(x):\n    return x\n").ids) == "def f(x):\n    return x\n"
+
+
+def test_recipe_smoke_gated_delta_pair(tmp_path):
+    """``--pair gdn``: a Qwen3.5-shaped target and a one-layer Gated DeltaNet draft in transformers'
+    save_pretrained layout, loaded back by transformers itself and run by stree."""
+    import stree
+    from transformers import Qwen3_5ForCausalLM
+
+    shape = recipe.GatedDeltaShape
+    cfg = tiny_config()
+    cfg.target = shape(hidden_size=32, layer_types=("linear_attention", "full_attention"), num_heads=2,
+                       num_kv_heads=1, head_dim=16, linear_key_heads=1, linear_value_heads=2,
+                       linear_head_dim=16, intermediate_size=64)
+    cfg.draft = shape(hidden_size=16, layer_types=("linear_attention",), num_heads=2, num_kv_heads=1,
+                      head_dim=16, linear_key_heads=1, linear_value_heads=2, linear_head_dim=16,
+                      intermediate_size=32)
+    out = tmp_path / "stree-gdn"
+    recipe.run(cfg, out, command="smoke", log=lambda *_: None)
+    assert (tmp_path / "README.md").read_text().startswith("# stree-gdn")
+    models = []
+    for name in ("target", "draft"):
+        d = out / name
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in d.iterdir()}
+        model = Qwen3_5ForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the shape says
+        models.append(stree.patch(recipe.load_checkpoint(d)))
+    ids = torch.randint(0, 320, (1, 6))
+    ref = models[0].generate(ids, max_new_tokens=8, do_sample=False)[0, 6:].tolist()
+    assert stree.generate(*models, ids, 8).sequences[0, 6:].tolist() == ref
 
 
 def test_schedule_and_split():
@@ -117,7 +146,7 @@ def test_continuations_are_the_targets_own_decoding(tmp_path):
                                              log=lambda m: None)
     assert rows.shape == (3, 21) and stats["new_tokens"] == 3 * 13
     with torch.no_grad():
-        logits = recipe._logits(target(rows[:, :-1].long()))
+        logits = recipe._logits(target, rows[:, :-1].long())
     assert torch.equal(logits[:, 7:].argmax(-1), rows[:, 8:].long())
     text = "".join(map(chr, stream.tolist()))
     assert all("".join(map(chr, r[:8].tolist())) in text for r in rows)

@@ -23,11 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from stree.cache import DeltaActivations, MambaLayerCache
-from stree.kernels import delta_replay, tree_conv, tree_delta
+from stree.kernels import chunk_delta, tree_conv, tree_delta
 
-# A prefill runs the tree op over chains of this many tokens, committing each before the next
-# (the chunked form of the rule); 64 is also the chunk of fla's and transformers' kernels.
-PREFILL_CHUNK = 64
 F32 = torch.float32
 
 
@@ -94,8 +91,7 @@ def tree_forward(m, u, state: MambaLayerCache, tables: dict, impl: str = "auto",
 
 def prefill(m, u, state: MambaLayerCache):
     """Run ``u (b, l, d_model)`` through the mixer from the committed state and commit it: the
-    conv continued from its window, the rule as chains of :data:`PREFILL_CHUNK` tokens, each run by
-    ``tree_delta`` from the state the chains before it committed (the chunked algorithm)."""
+    conv continued from its window, the rule in chunks (``chunk_delta``)."""
     k = constants(m)
     xbc, g, beta, gate = m.project(u)
     b, l, c = xbc.shape
@@ -105,15 +101,9 @@ def prefill(m, u, state: MambaLayerCache):
     conv_out = F.silu(F.conv1d(ext, m.conv1d.weight.to(xbc.dtype), m.conv1d.bias, groups=c)).transpose(1, 2)
     conv_state.copy_(torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=2)[:, :, -w:])
     q, key, v = _qkv(m, k, conv_out)
-    outs = []
-    for s in range(0, l, PREFILL_CHUNK):
-        e = min(s + PREFILL_CHUNK, l)
-        n = e - s
-        chain = torch.ones(n, n, dtype=torch.bool, device=u.device).tril_().expand(b, n, n)
-        o, uu, G = tree_delta(q[:, s:e], key[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], chain, state.ssm_state)
-        delta_replay(state.ssm_state, key[:, s:e], uu, G, torch.arange(n, device=u.device).expand(b, n))
-        outs.append(o)
-    return m.finish(torch.cat(outs, 1) if len(outs) > 1 else outs[0], gate)
+    o, final = chunk_delta(q, key, v, g, beta, state.ssm_state)
+    state.ssm_state.copy_(final)
+    return m.finish(o, gate)
 
 
 def node_step(m, u, conv, ssm, k: dict | None = None, valid=None):
