@@ -8,6 +8,7 @@
   and the crossover's decoding steps.
 * ``bench/vllm.py``'s split of methods into engines (its runs need the vLLM environment).
 * ``bench/cpu_ops.py``: every op and tree, the attention op checked against its eager baseline.
+* ``bench/gdn_state.py``: its memory formula against what a Gated DeltaNet tree forward keeps.
 """
 import csv
 import gzip
@@ -29,6 +30,7 @@ model_verify = importlib.import_module("model_verify")
 prepack = importlib.import_module("prepack")
 cpu_ops_bench = importlib.import_module("cpu_ops")
 replot = importlib.import_module("replot")
+gdn_state = importlib.import_module("gdn_state")
 
 from models import data  # noqa: E402
 from stree.hybrid import MambaInLlamaConfig, MambaInLlamaForCausalLM  # noqa: E402
@@ -195,3 +197,15 @@ def test_model_verify_tiny(tmp_path):
     assert all(r["rel_err"] <= 1e-3 and r["argmax_agree"] == 1.0 for r in checked)
     targets = read_rows(tmp_path, "model_verify_tiny_*_targets.json")
     assert {r["issue"] for r in targets} >= {"2", "3"}
+
+
+def test_gdn_state_formula_is_what_a_tree_forward_keeps(capsys):
+    """bench/gdn_state.py: the bytes a real Gated DeltaNet tree forward keeps and its committed
+    state equal the formula the docs' table is computed with; one slot plus activations stays
+    under a state per node at every shape and size."""
+    assert gdn_state.main([]) == 0
+    assert "Qwen3.5-397B-A17B" in capsys.readouterr().out
+    for s in gdn_state.SHAPES:
+        for n in gdn_state.NODES:
+            d = gdn_state.designs(s, n)
+            assert d["stree"] < d["chain slots"] < d["state per node"]
