@@ -77,8 +77,8 @@ def session_factory(model, compile: bool = False) -> SessionFactory:
                                  "'ar-tree')")
             return compiled if compile else factory
     raise TypeError(f"no native decoding for {type(model).__name__}: method 'ar' runs the model's "
-                    "own decoding (stree.hybrid, mamba_ssm MambaLMHeadModel and transformers' "
-                    "Mamba2 family are registered); method 'ar-tree' runs stree's 1-node tree path "
+                    "own decoding (stree.hybrid, mamba_ssm MambaLMHeadModel and transformers' hybrid "
+                    "families are registered); method 'ar-tree' runs stree's 1-node tree path "
                     "for any patched model")
 
 
