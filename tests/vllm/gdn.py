@@ -29,3 +29,18 @@ def qwen3_next(directory, seed: int = 0) -> str:
     torch.manual_seed(seed)
     Qwen3NextForCausalLM(qwen3_next_config()).to(torch.bfloat16).save_pretrained(directory)
     return str(directory)
+
+
+def qwen3_5(directory, seed: int = 0) -> str:
+    """A random bf16 ``Qwen3_5ForCausalLM`` checkpoint (text only, dense MLPs) in ``directory``."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    Qwen3_5ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return str(directory)
