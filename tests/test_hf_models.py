@@ -1,6 +1,7 @@
 """transformers' Mamba2 family through stree.patch, against each model's own cached decoding in
 transformers (one token at a time, its own cache class, explicit positions: tests/hf_models.py),
 its own ``generate``, and the exact target distribution (chi-square)."""
+import copy
 import random
 import subprocess
 import sys
@@ -377,3 +378,23 @@ def test_suffix_merged_and_auto_trees_on_a_gated_delta_target_equal_its_own_gene
     for d, drafter in [(None, "suffix:16"), (draft, "caterpillar:2,2,2+suffix:16"), (draft, "auto")]:
         out = stree.generate(target, d, prompt, 64, drafter=drafter)
         assert out.sequences[0, prompt.shape[1]:].tolist() == ref, drafter
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_a_bf16_gated_delta_model_runs_prefill_trees_and_commits(family, tmp):
+    """In bf16 (vLLM's CPU default for a draft) every layer hands the next its own dtype; the
+    logits stay near the fp32 model's."""
+    model, _ = build(family, tmp, seed=14)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    prompt, tree = torch.tensor([[5, 17, 33, 8]]), TokenTree(torch.tensor([4, 9, 11, 2]), [-1, 0, 0, 1])
+
+    def tree_logits(m):
+        m = stree.patch(m)
+        cache = m.allocate_tree_cache(1, 32)
+        m.prefill(prompt, cache)
+        logits = m.tree_forward(tree, cache)
+        cache.commit(torch.tensor([[0, 1, 3]]))
+        return logits
+
+    ref, got = tree_logits(model), tree_logits(half)
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()

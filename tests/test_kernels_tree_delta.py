@@ -113,3 +113,14 @@ def test_chunked_rule_over_a_sequence_matches_the_sequential_rule(length, per_ch
     assert_close(state[0], S, TOL, "final state")
     (o.sum() + state.sum()).backward()
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_outputs_come_back_in_the_values_dtype(dtype):
+    """fp32 inside, the caller's dtype out (a bf16 model's next projection takes them as they are)."""
+    x = make_inputs([random_tree(9, seed=4)])
+    x = {**x, "q": x["q"].to(dtype), "k": x["k"].to(dtype), "v": x["v"].to(dtype)}
+    o, u, G = tree_delta(**x)
+    assert (o.dtype, u.dtype, G.dtype) == (dtype, torch.float32, torch.float32)
+    o, state = chunk_delta(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"])
+    assert (o.dtype, state.dtype) == (dtype, torch.float32)

@@ -33,7 +33,7 @@ def chunk_delta(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
     Returns:
         ``o (b, l, h, dv)`` in v's dtype and the final state ``(b, h, dk, dv)`` fp32.
     """
-    f32 = torch.float32
+    f32, dtype = torch.float32, v.dtype
     b, l, h, dk = q.shape
     dv = v.shape[-1]
     pad = (-l) % chunk
@@ -81,4 +81,4 @@ def chunk_delta(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
         outs.append(qe[:, :, c] @ S + P[:, :, c] @ u)
         S = end_decay[:, :, c] * S + k_to_end[:, :, c].transpose(-1, -2) @ u
     o = torch.stack(outs, 2).reshape(b, h, n * chunk, dv)[:, :, :l].transpose(1, 2)
-    return o.to(v.dtype), S
+    return o.to(dtype), S

@@ -168,7 +168,7 @@ def _tree_delta_triton(q, k, v, g, beta, mask, initial_state):
 def _tree_delta_ref(q, k, v, g, beta, mask, initial_state):
     # Batched PyTorch in fp32, (batch, heads, nodes, nodes) products: the CPU path and the oracle
     # of the Triton kernel. Heads first: (b, h, n, ...).
-    f32 = torch.float32
+    f32, dtype = torch.float32, v.dtype
     q, k, v = (t.to(f32).transpose(1, 2) for t in (q, k, v))
     beta = beta.to(f32).transpose(1, 2)  # (b, h, n)
     anc = mask[:, None]  # (b, 1, n, n)
@@ -198,7 +198,7 @@ def _tree_delta_ref(q, k, v, g, beta, mask, initial_state):
     rhs = beta[..., None] * (v - ks0)
     u = torch.linalg.solve_triangular(a + eye, rhs, upper=False, unitriangular=True)
     o = qs0 + qk.masked_fill_(~anc, 0.0) @ u
-    return o.transpose(1, 2).to(v.dtype), u.transpose(1, 2), G_out
+    return o.transpose(1, 2).to(dtype), u.transpose(1, 2), G_out
 
 
 def tree_delta(q, k, v, g, beta, mask, initial_state, impl="auto"):
