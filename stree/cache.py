@@ -176,8 +176,27 @@ class PooledAttentionCache(AttentionLayerCache):
         return self.kv[self.slots, :, :, :span].unbind(1)
 
 
+class _ReplayedActivations:
+    """A recurrent layer's activations: its commit replays the state along the path
+    (:meth:`replay`, the layer kind's rule) and shifts the path's pre-conv inputs ``xbc`` into the
+    conv window; the gather tables of both are built once per commit and shared."""
+
+    def tables(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        if "path" not in shared:
+            shared["path"] = path_tables(path)
+        w = layer.conv_state.shape[2]
+        if ("conv", w) not in shared:
+            shared[("conv", w)] = conv_replay_index(path, w)
+
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        self.replay(layer.ssm_state, path, shared["path"])
+        conv_replay(layer.conv_state, self.xbc, path, index=shared[("conv", layer.conv_state.shape[2])])
+
+
 @dataclass
-class MambaActivations:
+class MambaActivations(_ReplayedActivations):
     """What one Mamba2 layer cached during a tree forward, for replay along any path.
 
     xbc: ``(b, n, conv_dim)`` raw pre-conv inputs; x: ``(b, n, h, p)``; dt: ``(b, n, h)`` processed
@@ -189,29 +208,12 @@ class MambaActivations:
     B: torch.Tensor
     A: torch.Tensor
 
-    def tables(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
-               shared: dict) -> None:
-        _replay_tables(layer, path, shared)
-
-    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
-               shared: dict) -> None:
-        w = layer.conv_state.shape[2]
-        ssm_replay(layer.ssm_state, self.x, self.dt, self.A, self.B, path, tables=shared["path"])
-        conv_replay(layer.conv_state, self.xbc, path, index=shared[("conv", w)])
-
-
-def _replay_tables(layer: MambaLayerCache, path: torch.Tensor, shared: dict) -> None:
-    """Add to ``shared`` what a recurrent layer's replay reads of the path (gather tables), once
-    per commit."""
-    if "path" not in shared:
-        shared["path"] = path_tables(path)
-    w = layer.conv_state.shape[2]
-    if ("conv", w) not in shared:
-        shared[("conv", w)] = conv_replay_index(path, w)
+    def replay(self, state: torch.Tensor, path: torch.Tensor, tables) -> None:
+        ssm_replay(state, self.x, self.dt, self.A, self.B, path, tables=tables)
 
 
 @dataclass
-class DeltaActivations:
+class DeltaActivations(_ReplayedActivations):
     """What one gated delta rule layer (Gated DeltaNet, KDA) cached during a tree forward, for
     replay along any path: xbc ``(b, n, conv_dim)`` raw pre-conv inputs; k ``(b, n, H, dk)``
     normalised keys, u ``(b, n, H, dv)`` and G ``(b, n, H)`` or ``(b, n, H, dk)`` (fp32, from
@@ -222,15 +224,8 @@ class DeltaActivations:
     u: torch.Tensor
     G: torch.Tensor
 
-    def tables(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
-               shared: dict) -> None:
-        _replay_tables(layer, path, shared)
-
-    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
-               shared: dict) -> None:
-        w = layer.conv_state.shape[2]
-        delta_replay(layer.ssm_state, self.k, self.u, self.G, path, tables=shared["path"])
-        conv_replay(layer.conv_state, self.xbc, path, index=shared[("conv", w)])
+    def replay(self, state: torch.Tensor, path: torch.Tensor, tables) -> None:
+        delta_replay(state, self.k, self.u, self.G, path, tables=tables)
 
 
 @dataclass

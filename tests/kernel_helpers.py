@@ -41,6 +41,16 @@ def path_to(parents, t):
     return path[::-1]
 
 
+def ancestor_mask(rows):
+    """(b, n, n) bool from one parent list per batch row."""
+    n = len(rows[0])
+    mask = torch.zeros(len(rows), n, n, dtype=torch.bool)
+    for b, parents in enumerate(rows):
+        for t in range(n):
+            mask[b, t, path_to(parents, t)] = True
+    return mask
+
+
 def padded_paths(rows, ends, k):
     """(b, k) int64 root-to-``ends[b]`` paths of each row's parent list, -1 padded."""
     out = torch.full((len(rows), k), -1, dtype=torch.int64)

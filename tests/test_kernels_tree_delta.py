@@ -8,19 +8,11 @@ import torch
 
 from stree.kernels import chunk_delta, delta_replay, tree_delta, tree_delta_ref
 from stree.kernels._common import checks
-from tests.kernel_helpers import assert_close, chain, common_trees, padded_paths, path_to, random_tree
+from tests.kernel_helpers import (ancestor_mask, assert_close, chain, common_trees, padded_paths, path_to,
+                                  random_tree)
 
 TOL = (2e-5, 2e-5)
 TREES = {**common_trees(), "random23": random_tree(23, seed=5), "chain64_prefill_chunk": chain(64)}
-
-
-def ancestor_mask(rows):
-    n = len(rows[0])
-    mask = torch.zeros(len(rows), n, n, dtype=torch.bool)
-    for b, parents in enumerate(rows):
-        for t in range(n):
-            mask[b, t, path_to(parents, t)] = True
-    return mask
 
 
 def make_inputs(rows, h=2, dk=16, dv=24, per_channel=False, seed=0):

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from stree.kernels._common import checks  # argument checks are a debug feature
 from stree.kernels import ssm_replay, ssm_replay_ref, tree_scan, tree_scan_ref
 from tests.kernel_helpers import assert_close as _assert_close
-from tests.kernel_helpers import (chain, common_trees, full_binary, nan_filled_empty, padded_paths,
-                                  path_to, random_tree)
+from tests.kernel_helpers import (ancestor_mask, chain, common_trees, full_binary, nan_filled_empty,
+                                  padded_paths, path_to, random_tree)
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
 NO_LIMIT = (0.0, math.inf)
@@ -33,16 +33,6 @@ TREES = {
     "chain130_multiblock": chain(130),
     "random150_multiblock": random_tree(150, seed=3),
 }
-
-
-def ancestor_mask(rows):
-    """(b, n, n) bool from one parent list per batch row."""
-    n = len(rows[0])
-    mask = torch.zeros(len(rows), n, n, dtype=torch.bool)
-    for b, parents in enumerate(rows):
-        for t in range(n):
-            mask[b, t, path_to(parents, t)] = True
-    return mask
 
 
 def batch_of(parents, seed=0):
