@@ -167,38 +167,31 @@ def _tree_delta_triton(q, k, v, g, beta, mask, initial_state):
 
 def _tree_delta_ref(q, k, v, g, beta, mask, initial_state):
     # Batched PyTorch in fp32, (batch, heads, nodes, nodes) products: the CPU path and the oracle
-    # of the Triton kernel. Heads first: (b, h, n, ...).
+    # of the Triton kernel. Heads first: (b, h, n, ...); k's and q's products in one each.
     f32, dtype = torch.float32, v.dtype
-    q, k, v = (t.to(f32).transpose(1, 2) for t in (q, k, v))
-    beta = beta.to(f32).transpose(1, 2)  # (b, h, n)
-    anc = mask[:, None]  # (b, 1, n, n)
-    n = mask.shape[-1]
-    strict = anc & ~torch.eye(n, dtype=torch.bool, device=mask.device)
+    b, n, h, dk = q.shape
+    k, v = k.to(f32).transpose(1, 2), v.to(f32).transpose(1, 2)
+    kq = torch.cat([k, q.to(f32).transpose(1, 2)], dim=2)  # (b, h, 2n, dk)
+    beta = beta.to(f32).transpose(1, 2)[..., None]  # (b, h, n, 1)
+    hidden = ~mask[:, None]  # (b, 1, n, n): not an ancestor (exp(-inf) = 0 below)
     s0 = initial_state.to(f32)
     ancf = mask.to(f32)
     if g.dim() == 3:
         G = torch.einsum("bij,bjh->bhi", ancf, g.to(f32))  # (b, h, n)
-        decay = (G[..., :, None] - G[..., None, :]).masked_fill_(~anc, float("-inf")).exp_()
-        kk = (k @ k.transpose(-1, -2)).mul_(decay)
-        qk = (q @ k.transpose(-1, -2)).mul_(decay)
-        eG = G.exp()[..., None]
-        ks0, qs0 = (k @ s0) * eG, (q @ s0) * eG
-        G_out = G.transpose(1, 2)
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill_(hidden, float("-inf")).exp_()
+        prods = (kq @ k.transpose(-1, -2)).view(b, h, 2, n, n).mul_(decay[:, :, None])
+        from_s0 = (kq @ s0).view(b, h, 2, n, -1).mul_(G.exp()[:, :, None, :, None])
     else:
         G = torch.einsum("bij,bjhc->bhic", ancf, g.to(f32))  # (b, h, n, dk)
-        diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill_(~anc[..., None], float("-inf"))
-        decay = diff.exp_()  # (b, h, n, n, dk)
-        kk = torch.einsum("bhic,bhijc,bhjc->bhij", k, decay, k)
-        qk = torch.einsum("bhic,bhijc,bhjc->bhij", q, decay, k)
-        eG = G.exp()
-        ks0, qs0 = (k * eG) @ s0, (q * eG) @ s0
-        G_out = G.transpose(1, 2)
-    a = kk.masked_fill_(~strict, 0.0).mul_(beta[..., None])
-    eye = torch.eye(n, dtype=f32, device=v.device)
-    rhs = beta[..., None] * (v - ks0)
-    u = torch.linalg.solve_triangular(a + eye, rhs, upper=False, unitriangular=True)
-    o = qs0 + qk.masked_fill_(~anc, 0.0) @ u
-    return o.transpose(1, 2).to(dtype), u.transpose(1, 2), G_out
+        decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill_(hidden[..., None], float("-inf")).exp_()
+        prods = torch.einsum("bhxic,bhijc,bhjc->bhxij", kq.view(b, h, 2, n, dk), decay, k)
+        from_s0 = (kq.view(b, h, 2, n, dk) * G.exp()[:, :, None]) @ s0[:, :, None]
+    (kk, qk), (ks0, qs0) = prods.unbind(2), from_s0.unbind(2)
+    # (I + beta kk) u = beta (v - ks0), kk masked to ancestors: the solve reads the strictly lower
+    # part (unitriangular: the diagonal is taken as 1)
+    u = torch.linalg.solve_triangular(kk.mul_(beta), (v - ks0).mul_(beta), upper=False, unitriangular=True)
+    o = qs0 + qk @ u
+    return o.transpose(1, 2).to(dtype), u.transpose(1, 2), G.transpose(1, 2)
 
 
 def tree_delta(q, k, v, g, beta, mask, initial_state, impl="auto"):

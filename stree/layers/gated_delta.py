@@ -62,10 +62,10 @@ def _qkv(m, k: dict, conv_out):
     """Post-conv channels -> ``q`` (normalised, scaled), ``k`` (normalised) with one head per value
     head, in fp32 (where the family's rule computes them), and ``v``."""
     q, key, v = m.split_qkv(conv_out)
-    q, key = m.l2norm(q.to(F32)) * k["scale"], m.l2norm(key.to(F32))
+    qk = m.l2norm(torch.stack([q, key]).to(F32))  # both at once: half the small ops
     if k["groups"] > 1:  # grouped value heads: each q/k head serves `groups` consecutive value heads
-        q, key = q.repeat_interleave(k["groups"], dim=-2), key.repeat_interleave(k["groups"], dim=-2)
-    return q, key, v
+        qk = qk.repeat_interleave(k["groups"], dim=-2)
+    return qk[0] * k["scale"], qk[1], v
 
 
 def tree_forward(m, u, state: MambaLayerCache, tables: dict, impl: str = "auto", k: dict | None = None):
