@@ -135,6 +135,26 @@ def test_pure_mamba2_session_and_prefix_cache(mamba_pair):
     assert want == max(s for s in cache.snapshots() if s < middle)  # the longest shorter snapshot
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_gated_delta_session_and_prefix_cache(family, tmp_path):
+    """A Gated DeltaNet (or KDA) target with a one-layer Gated DeltaNet draft: every turn equals a
+    fresh full prefill, and a resent conversation hits at the last turn's end."""
+    from tests.hf_models import VOCAB, build
+    target = stree.patch(build(family, tmp_path, seed=5)[0])
+    draft = stree.patch(build("qwen3_5", tmp_path, seed=6, layers=1)[0])
+    g = torch.Generator().manual_seed(4)
+    turns = [torch.randint(3, VOCAB, (n,), generator=g) for n in (20, 6, 9)]
+    cache = stree.PrefixCache(min_tokens=4)
+    chat = stree.Session(prefix_cache=cache)
+    list(converse(target, draft, chat, turns, drafter="caterpillar:2,2,2"))
+    prompt = chat.tokens + turns[0].tolist()
+    cached, want = cache.stats.cached_tokens, cache.lookup(prompt, limit=len(prompt) - 1)
+    out = stree.generate(target, draft, prompt, N, prefix_cache=cache)
+    assert out.sequences[0, len(prompt):].tolist() == fresh(target, draft, prompt)
+    # the conversation's committed end: all of it but the last reply token (the next tree's root)
+    assert cache.stats.cached_tokens - cached == want == len(chat.tokens) - 1
+
+
 def test_sampled_turns_equal_fresh_runs_with_the_same_seed(pair, text):
     """The loop draws nothing while prefilling or restoring, so its random stream after a held or
     restored state is a fresh call's: the same seed gives the same tokens."""
