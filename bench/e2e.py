@@ -38,7 +38,8 @@ Per (method, temperature) it aggregates, over prompts: new tokens, target and dr
 (tokens per step, counted the same way for every method by ``stree.stats.GenerationStats``), the merged
 accepted-length histogram, tokens/s (all new tokens / all wall time, prefill included), the draft /
 verify / replay time split and the speed-up over ``ar`` at the same temperature. It prints a markdown
-table and writes, under ``--out``: ``e2e_*.csv/.json`` (one row per method x temperature),
+table and writes, under ``--out``: ``e2e_*.csv/.json`` (one row per method x temperature, and per
+prompt set when ``--prompts`` names several: ``e2e_humaneval+mtbench_*``),
 ``e2e_*_per_prompt.csv.gz`` (one row per prompt, method and temperature) and ``e2e_*.png`` (tau
 and tokens/s bars, acceptance histograms; needs matplotlib; not committed, ``bench/replot.py``
 redraws it from the JSON), every row tagged with device, commit and date.
@@ -117,7 +118,7 @@ class Method:
 class BenchConfig:
     target: str
     draft: str
-    prompts: str
+    prompts: list[str]
     limit: int | None
     max_new_tokens: int
     temperatures: list[float]
@@ -139,8 +140,9 @@ def parse_args(argv=None) -> BenchConfig:
     ap.add_argument("--models", help="directory holding target/ and draft/ (e.g. models/stree-tiny)")
     ap.add_argument("--target", help="target model directory (default: MODELS/target)")
     ap.add_argument("--draft", help="draft model directory (default: MODELS/draft)")
-    ap.add_argument("--prompts", default="humaneval",
-                    help="humaneval | mtbench | heldout-code | path to a .jsonl file")
+    ap.add_argument("--prompts", nargs="+", default=["humaneval"],
+                    help="humaneval | mtbench | heldout-code | path to a .jsonl file; several sets run "
+                         "one after another with the models loaded once, their rows in one result set")
     ap.add_argument("--prompt-tokens", type=int, default=1536,
                     help="heldout-code: tokens of each file's start (default 1536)")
     ap.add_argument("--repeat", type=int, default=1, help="run the prompt list this many times over")
@@ -185,19 +187,20 @@ def parse_args(argv=None) -> BenchConfig:
                        suffix_cache=a.suffix_cache)
 
 
-def encode_prompts(cfg: BenchConfig, tokenizer, device) -> list[torch.Tensor]:
-    """Token ids of each prompt, the target's BOS first when its config has one (the shipped
-    models saw ``<|endoftext|>`` = BOS before every training file), as the CLI and demo do."""
+def encode_prompts(cfg: BenchConfig, prompt_set: str, tokenizer, device) -> list[torch.Tensor]:
+    """Token ids of each prompt of ``prompt_set``, the target's BOS first when its config has one
+    (the shipped models saw ``<|endoftext|>`` = BOS before every training file), as the CLI and
+    demo do."""
     from stree.checkpoints import encode_prompt, model_config
     from stree.prompts import load_prompts
 
     bos = model_config(cfg.target).get("bos_token_id")
-    if cfg.prompts == "heldout-code":
+    if prompt_set == "heldout-code":
         ids = [encode_prompt(tokenizer, t, bos)[:cfg.prompt_tokens] for t in heldout_code(cfg.limit)]
     else:
-        ids = [encode_prompt(tokenizer, t, bos) for t in load_prompts(cfg.prompts, limit=cfg.limit)]
+        ids = [encode_prompt(tokenizer, t, bos) for t in load_prompts(prompt_set, limit=cfg.limit)]
     if not ids:
-        raise SystemExit(f"prompt set {cfg.prompts!r} gave no prompts")
+        raise SystemExit(f"prompt set {prompt_set!r} gave no prompts")
     return [torch.tensor(i, dtype=torch.long, device=device) for i in ids] * cfg.repeat
 
 
@@ -395,27 +398,30 @@ def main(argv=None) -> int:
     needs_draft = any(m.drafter and m.draft_model for m in cfg.methods)
     draft = load_model(cfg.draft, device, dtype, prepack=prepack) if needs_draft else None
     eos = default_eos(cfg.target, tokenizer)
-    prompts = encode_prompts(cfg, tokenizer, device)
-    meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
-                target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
-                prompt_set=cfg.prompts, limit=cfg.limit, n_prompts=len(prompts),
-                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos, prepack=prepack,
-                repeat=cfg.repeat, suffix_cache=cfg.suffix_cache,
-                prompt_tokens=cfg.prompt_tokens if cfg.prompts == "heldout-code" else None)
-    print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} | "
-          f"{meta['torch_threads']} torch threads | {len(prompts)} prompts of {cfg.prompts} | "
-          f"max {cfg.max_new_tokens} new tokens")
-    summary, per_prompt, error = benchmark(cfg, target, draft, prompts, eos, meta)
-    if error is not None:
-        print(f"\nFAILED: at temperature 0 all methods must emit identical tokens; {error}. "
-              "No results written.")
-        return 1
-    print("\n" + markdown_table(summary) + "\n")
-    stem = result_stem(cfg.out, f"e2e_{Path(cfg.prompts).stem}", meta)
+    summary, per_prompt = [], []
+    for prompt_set in cfg.prompts:
+        prompts = encode_prompts(cfg, prompt_set, tokenizer, device)
+        meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
+                    target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
+                    prompt_set=prompt_set, limit=cfg.limit, n_prompts=len(prompts),
+                    max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos, prepack=prepack,
+                    repeat=cfg.repeat, suffix_cache=cfg.suffix_cache,
+                    prompt_tokens=cfg.prompt_tokens if prompt_set == "heldout-code" else None)
+        print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} | "
+              f"{meta['torch_threads']} torch threads | {len(prompts)} prompts of {prompt_set} | "
+              f"max {cfg.max_new_tokens} new tokens")
+        rows, prompt_rows, error = benchmark(cfg, target, draft, prompts, eos, meta)
+        if error is not None:
+            print(f"\nFAILED: at temperature 0 all methods must emit identical tokens; {error}. "
+                  "No results written.")
+            return 1
+        print("\n" + markdown_table(rows) + "\n")
+        summary, per_prompt = summary + rows, per_prompt + prompt_rows
+    stem = result_stem(cfg.out, "e2e_" + "+".join(Path(p).stem for p in cfg.prompts), meta)
     written = (write_rows(summary, stem)
                + write_rows(per_prompt, stem.with_name(stem.name + "_per_prompt"), json_too=False))
     png = stem.with_name(stem.name + ".png")
-    if plot(summary, png):
+    if len(cfg.prompts) == 1 and plot(summary, png):  # a plot shows one prompt set
         written.append(png)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

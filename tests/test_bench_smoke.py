@@ -102,6 +102,25 @@ def test_e2e_smoke(tmp_path, monkeypatch):
         assert replot.main([str(next(out.glob("e2e_*[0-9].json")))]) == 0 and png.exists()
 
 
+def test_e2e_runs_several_prompt_sets_into_one_result_set(tmp_path):
+    """``--prompts A B``: the models load once, each set runs in turn, one result set holds the rows
+    of both, each tagged with its prompt set."""
+    models = write_model_dir(tmp_path)
+    sets = []
+    for name, lines in (("first", PROMPTS), ("second", PROMPTS[::-1])):
+        sets.append(tmp_path / f"{name}.jsonl")
+        sets[-1].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    out = tmp_path / "results"
+    assert e2e.main(["--models", str(models), "--prompts", *map(str, sets), "--limit", "2",
+                     "--max-new-tokens", "6", "--temperatures", "0", "--methods", "ar", "chain:2",
+                     "--device", "cpu", "--out", str(out)]) == 0
+    (stem,) = {p.name.split("_AMD")[0].split("_cpu")[0] for p in out.glob("e2e_*[0-9].json")}
+    rows = read_rows(out, "e2e_*[0-9].json")
+    assert [(r["prompt_set"].rsplit("/", 1)[-1], r["method"]) for r in rows] == [
+        (f"{n}.jsonl", m) for n in ("first", "second") for m in ("ar", "chain:2")]
+    assert stem.startswith("e2e_first+second")
+
+
 @pytest.mark.skipif(not prepack_available(), reason="no oneDNN packed linear in this torch build")
 def test_prepack_smoke(tmp_path):
     models = write_model_dir(tmp_path)
