@@ -73,6 +73,7 @@ from stree.vllm.speculative import DraftSpec, draft_size, load_draft
 from stree.vllm.drafted import DraftedTree
 
 GREEDY = SamplingConfig(temperature=0.0)
+DRAFT_SEED_OFFSET = 0x5EED_D4AF7  # the draft's generator: vLLM's seed plus this
 # Draft batch sizes compiled at start-up: each costs seconds of compilation on a CPU, and vLLM's
 # CPU default of 256 sequences would add a minute to every engine start.
 PRECOMPILED = 8
@@ -192,8 +193,15 @@ class StreeProposer:
                            for greedy, pair in self.pairs.items()}
         self.free = list(range(slots))
         self.scratch = list(range(slots, slots + pad))
-        self.generator = torch.Generator()  # draws of sampled requests without a seed of their own
-        self.generator.seed()
+        # draws of sampled requests without a seed of their own, from vLLM's seed: under tensor
+        # parallelism every rank drafts, and each must draw the tree that the draft tokens vLLM
+        # schedules (rank 0's) came from, as vLLM seeds its sampler alike on every rank
+        self.generator = torch.Generator()
+        seed = getattr(vllm_config.model_config, "seed", None)
+        if seed is None:
+            self.generator.seed()
+        else:  # a stream apart from the one vLLM's sampler draws from (seeded with seed itself)
+            self.generator.manual_seed(DRAFT_SEED_OFFSET + seed)
         self.rows: dict[str, _Row] = {}
         self.batches: list[_Batch] = []  # the last step's draft calls, committed by the next step
         self.req_ids: list[str] = []

@@ -9,7 +9,8 @@ model beside the caller), which starts in 13 s on the project's CPU against 30 s
 three processes (caller, engine core, worker; each imports vLLM and loads the plugin), the same
 model runner, proposer and plugin code either way. A spec with ``"processes": True`` gets the
 default layout; tests/vllm/test_engine_compiled.py, tests/vllm/test_readme.py and
-tests/vllm/test_serve.py run stree in it.
+tests/vllm/test_serve.py run stree in it. With ``tensor_parallel_size`` > 1 vLLM's multiprocessing
+executor starts one worker process per rank in either layout (tests/vllm/test_engine_tp.py).
 """
 from __future__ import annotations
 
@@ -29,10 +30,15 @@ MARK = "STREE-RESULT "  # vLLM logs to stdout too
 def run(spec: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the engine ``spec`` describes: ``{"engine": {...LLM kwargs}, "prompts": [[ids] or text],
     "sampling": {...SamplingParams kwargs}}``, in one process unless ``"processes": True`` (see the
-    module docstring); the result is the stdout line after :data:`MARK`."""
+    module docstring), with ``spec["env"]`` (if any) added to the child's environment; the result
+    is the stdout line after :data:`MARK`. ``"sampling"`` may be a list, one per prompt.
+    ``{"runs": [spec, ...], "env": {...}}`` runs several engines one after another in the one child
+    (vLLM imported once: after the first, an engine starts in seconds), the result
+    ``{"runs": [result, ...]}``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if not spec.get("processes"):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.update(spec.get("env", {}))
     return subprocess.run([sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -59,22 +65,49 @@ def every_step(engine: dict) -> dict:
 
 
 def _main(spec: dict) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    llm = LLM(**every_step({**ENGINE_DEFAULTS, **spec["engine"]}))
+    if "runs" not in spec:
+        llm = LLM(**every_step({**ENGINE_DEFAULTS, **spec["engine"]}))
+        print(MARK + json.dumps(_generate(llm, spec)), flush=True)
+        return
+    results = []
+    for run in spec["runs"]:  # one engine after another, each shut down before the next starts
+        llm = LLM(**every_step({**ENGINE_DEFAULTS, **run["engine"]}))
+        results.append(_generate(llm, run))
+        _close(llm)
+    print(MARK + json.dumps({"runs": results}), flush=True)
+
+
+def _generate(llm, spec: dict) -> dict:
+    from vllm import SamplingParams
+
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in spec["prompts"]]
     lengths = spec.get("max_tokens")  # per-request max_tokens, overriding the shared sampling's
-    params = ([SamplingParams(**{**spec["sampling"], "max_tokens": n}) for n in lengths] if lengths
-              else SamplingParams(**spec["sampling"]))
+    if isinstance(spec["sampling"], list):  # one per prompt
+        params = [SamplingParams(**sampling) for sampling in spec["sampling"]]
+    else:
+        params = ([SamplingParams(**{**spec["sampling"], "max_tokens": n}) for n in lengths] if lengths
+                  else SamplingParams(**spec["sampling"]))
     if "abort" in spec:
-        print(MARK + json.dumps(_with_abort(llm, prompts, params, **spec["abort"])), flush=True)
-        return
+        return _with_abort(llm, prompts, params, **spec["abort"])
     outs = llm.generate(prompts, params, use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics()
                 if m.name.startswith(("vllm:spec_decode_num", "vllm:num_preemptions")) and hasattr(m, "value")}
-    print(MARK + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                    "texts": [o.outputs[0].text for o in outs], "spec": counters}),
-          flush=True)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
+            "spec": counters}
+
+
+def _close(llm) -> None:
+    """Shut ``llm``'s engine (and its workers) down and tear vLLM's distributed state down, so that
+    the next engine starts in this process as in a fresh one."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def _with_abort(llm, prompts, params, requests: list[int], after_steps: int, late: list) -> dict:

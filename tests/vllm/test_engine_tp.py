@@ -1,0 +1,117 @@
+"""Tensor parallelism: stree's trees at ``tensor_parallel_size=2`` give the TP=1 greedy output (vLLM's
+own decoding without speculation) token for token:
+
+- a ``Mamba2ForCausalLM`` target with ``n_groups=1`` (vLLM replicates the group on both ranks) and
+  ``static:fig4a`` drafted by a perturbed copy; beside the greedy requests two sampled ones
+  without a seed of their own (before the fix rank 1's proposer drew another tree than the
+  scheduled one, rank 0's, raised, and the engine hung until vLLM's RPC timeout);
+- a ``Mamba2ForCausalLM`` target with ``n_groups=2`` (a group per rank) and ``suffix:16``, no
+  draft model;
+- a ``GraniteMoeHybridForCausalLM`` target (Mamba2 layers, attention with its KV heads sharded,
+  MoE) and ``caterpillar:2,2,2+suffix:16``: a draft model's tree and a suffix tree, merged;
+- a MambaInLlama target at TP=2: refused by stree's model class with its reason.
+
+Five greedy requests of 16 to 32 tokens, four at a time, the last drafting from the engine's cache
+of earlier outputs in the suffix trees' cases.
+
+On this CPU vLLM runs TP=2 over gloo, one worker process per rank, each on one core
+(``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Every engine but the refused one runs in one child process,
+one after another (tests/vllm/engine.py's ``"runs"``): vLLM is imported once, and a TP=2 engine
+costs its two workers' start. Mamba heads, groups, attention and KV heads all divide by 2; the
+attention heads are 32 wide (vLLM's CPU attention needs head_dim >= 32), the Mamba heads 16 or 32.
+"""
+import os
+
+import pytest
+import torch
+
+import stree  # noqa: F401  (before transformers: its torch paths)
+
+from tests.vllm import engine
+from tests.vllm.test_engine_families import VOCAB, _granite, _perturbed
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 binds one core per rank")
+
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# four at a time (max_num_seqs=4): the fifth, a copy of the first, starts when a slot frees (the
+# first is the shortest) and its suffix trees draft from the first's output, in the engine's cache
+PROMPTS = [[5, 17, 33, 40, 5, 17, 33, 40, 5, 17], [7, 8, 9, 7, 8, 9, 7, 8], list(range(3, 40)), [30, 31],
+           [5, 17, 33, 40, 5, 17, 33, 40, 5, 17]]
+GREEDY = [{"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in (16, 32, 32, 32, 32)]
+SAMPLED = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}  # no seed: the proposer's generator draws
+SAMPLED_PROMPTS = [[11, 12, 13, 11, 12, 13], [40, 41, 42, 43]]
+# case: (target, its speculative_config, with sampled requests beside the greedy ones)
+CASES = {
+    "mamba2-groups1-static": ("mamba2_g1", {"tree": "static:fig4a", "model": "mamba2_g1_draft"}, True),
+    "mamba2-groups2-suffix": ("mamba2_g2", {"tree": "suffix:16"}, False),
+    "granite-merged": ("granite", {"tree": "caterpillar:2,2,2+suffix:16", "model": "granite_draft"}, False),
+}
+
+
+def _mamba2(n_groups: int):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+    return Mamba2ForCausalLM(Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2,
+        state_size=16, n_groups=n_groups, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each target and a perturbed copy of it as its draft (some draft tokens accepted, some not)."""
+    root = tmp_path_factory.mktemp("tp")
+    dirs = {}
+    for name, build in (("mamba2_g1", lambda: _mamba2(1)), ("mamba2_g2", lambda: _mamba2(2)), ("granite", _granite)):
+        torch.manual_seed(0)
+        build().save_pretrained(root / name)
+        torch.manual_seed(0)
+        _perturbed(build(), scale=0.1).save_pretrained(root / f"{name}_draft")
+        dirs[name], dirs[f"{name}_draft"] = str(root / name), str(root / f"{name}_draft")
+    return dirs
+
+
+def _engine(directory: str, **kwargs) -> dict:
+    return {"model": directory, "skip_tokenizer_init": True, **kwargs}
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints):
+    """Every case's TP=1 reference and TP=2 engine, run in one child: ``{case: (reference, tp2)}``."""
+    targets = sorted({target for target, _, _ in CASES.values()})
+    specs = [{"engine": _engine(checkpoints[t]), "prompts": PROMPTS, "sampling": GREEDY} for t in targets]
+    for target, spec, sampled in CASES.values():
+        spec = {"method": "stree", **spec}
+        if "model" in spec:
+            spec["model"] = checkpoints[spec["model"]]
+        extra = SAMPLED_PROMPTS if sampled else []
+        specs.append({"engine": _engine(checkpoints[target], tensor_parallel_size=2, speculative_config=spec),
+                      "prompts": PROMPTS + extra, "sampling": GREEDY + [SAMPLED] * len(extra)})
+    out = engine.result(engine.run({"runs": specs, "env": BIND}, timeout=900))["runs"]
+    reference = dict(zip(targets, out))
+    return {case: (reference[target], tp2) for (case, (target, _, _)), tp2 in zip(CASES.items(), out[len(targets):])}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_equals_tp1_greedy(runs, case):
+    """The greedy requests' tokens at TP=2 equal vLLM's own at TP=1, with drafts accepted (paths
+    committed on every rank's shard); the sampled ones run to their end."""
+    reference, tp2 = runs[case]
+    assert tp2["tokens"][:len(PROMPTS)] == reference["tokens"]
+    counts = tp2["spec"]
+    assert counts["vllm:spec_decode_num_drafts"] > 0  # it speculated
+    assert counts["vllm:spec_decode_num_accepted_tokens"] > 0  # and committed accepted paths under TP
+    if CASES[case][2]:
+        assert [len(t) for t in tp2["tokens"][len(PROMPTS):]] == [SAMPLED["max_tokens"]] * len(SAMPLED_PROMPTS)
+
+
+def test_mambainllama_target_refused_at_tp2():
+    """stree's MambaInLlama model runs at TP=1 only (its x/B groups would have to be repeated per
+    shard): at TP=2 each rank's model refuses with that reason, in the workers' log, and the engine
+    stops before generating anything."""
+    proc = engine.run({"engine": {"model": "models/stree-tiny/target", "tensor_parallel_size": 2,
+                                  "speculative_config": {"method": "stree", "tree": "suffix:16"}},
+                       "prompts": PROMPTS[:1], "sampling": GREEDY[:1], "env": BIND})
+    assert proc.returncode != 0 and engine.MARK not in proc.stdout
+    log = proc.stdout + proc.stderr  # vLLM logs to stdout, the caller's traceback goes to stderr
+    assert "ValueError: MambaInLlama in vLLM runs with tensor_parallel_size=1 only" in log
+    assert "WorkerProc initialization failed" in proc.stderr
