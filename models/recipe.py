@@ -17,8 +17,8 @@ the shipped weights), and described in a model card.
     python models/recipe.py --out models/stree-tiny --target-from models/stree-tiny/target  # draft only
     python models/recipe.py --out /tmp/trial/stree-tiny --budget-minutes 2  # calibration run
     python models/recipe.py --out /tmp/big --device cuda                 # same shapes, big batches, GPU
-    python models/recipe.py --out models/stree-gdn --pair gdn --target-steps 1500 --draft-steps 1000 \
-        --continuations 2048                                             # the Gated DeltaNet pair
+    python models/recipe.py --out models/stree-gdn --pair gdn --target-steps 800 --draft-steps 600 \
+        --continuations 1024                                             # the Gated DeltaNet pair
 
 By default each phase runs a fixed number of steps (``--target-steps``, ``--draft-steps``; the
 schedule follows the step count), so a run repeats exactly given the seed, whatever else the machine
@@ -768,7 +768,8 @@ approximates imperfectly. These are tiny models of Python code; they are not use
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output dir; gets target/ and draft/ checkpoints")
-    p.add_argument("--card", default=None, help="model card path (default: OUT/../README.md)")
+    p.add_argument("--card", default=None, help="model card path (default: OUT/../README.md; with --pair gdn "
+                                                "OUT/README.md)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda selects the bigger preset)")
     p.add_argument("--budget-minutes", type=float, default=None,
                    help="train for wall-clock time instead of steps (phases without explicit steps): "
@@ -818,7 +819,8 @@ def config_from_args(args) -> RecipeConfig:
 def main(argv=None):
     args = parse_args(argv)
     command = "python models/recipe.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    run(config_from_args(args), args.out, args.card, command=command)
+    card = args.card or (os.path.join(args.out, "README.md") if args.pair == "gdn" else None)  # beside it
+    run(config_from_args(args), args.out, card, command=command)
 
 
 if __name__ == "__main__":
