@@ -36,6 +36,7 @@ def chunk_delta(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
     f32, dtype = torch.float32, v.dtype
     b, l, h, dk = q.shape
     dv = v.shape[-1]
+    chunk = min(chunk, l)  # a short prompt is one chunk of its own length, not padded to 64
     pad = (-l) % chunk
     n = (l + pad) // chunk
     per_channel = g.dim() == 4
