@@ -398,3 +398,16 @@ def test_a_bf16_gated_delta_model_runs_prefill_trees_and_commits(family, tmp):
 
     ref, got = tree_logits(model), tree_logits(half)
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_compiled_tree_steps_on_a_gated_delta_target_equal_eager(tmp):
+    """``compile=True`` on a transformers family (a Gated DeltaNet target and draft): the compiled
+    verify step and draft levels give the eager greedy tokens (the family's walk traces: its
+    mixers are listed by sorting their indices, which torch.compile can, not (index, view) pairs)."""
+    target, _ = build("qwen3_5", tmp, seed=2)
+    draft, _ = build("qwen3_5", tmp, seed=3, layers=1)
+    stree.patch(target), stree.patch(draft)
+    prompt = torch.tensor([[5, 17, 33, 8, 41, 12]])
+    eager = stree.generate(target, draft, prompt, 24, drafter="caterpillar:2,2,2").sequences
+    compiled = stree.generate(target, draft, prompt, 24, drafter="caterpillar:2,2,2", compile=True).sequences
+    assert torch.equal(compiled, eager)

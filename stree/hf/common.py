@@ -130,7 +130,7 @@ class Family:
         self.mixers: dict = {}
 
     def stree_mixers(self):
-        return sorted(self.mixers.items())
+        return [(i, self.mixers[i]) for i in sorted(self.mixers)]  # sorts ints: torch.compile traces it
 
     def hidden(self, input_ids: torch.Tensor, run_mixer) -> torch.Tensor:
         raise NotImplementedError
