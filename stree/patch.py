@@ -272,10 +272,10 @@ def _steps(model) -> Steps:
     return getattr(model, "_stree_steps", None) or EAGER
 
 
-def _tables(model, tree: TokenTree, mamba_tree: TokenTree | None, lengths, span: int,
+def _tables(model, tree: TokenTree, recurrent_tree: TokenTree | None, lengths, span: int,
             nodes=None) -> dict:
     """Everything the layers of one step read besides their state, built before they run: per
-    recurrent layer its kind (:func:`stree.layers.recurrent.kind`), constants and ``mamba_tree``'s
+    recurrent layer its kind (:func:`stree.layers.recurrent.kind`), constants and ``recurrent_tree``'s
     conv/scan tables (none for a draft level, whose nodes run one by one by the recurrence); for
     attention layers what
     :func:`stree.steps.attention_tables` builds inside the step from ``tree``'s ancestor mask
@@ -285,10 +285,10 @@ def _tables(model, tree: TokenTree, mamba_tree: TokenTree | None, lengths, span:
         kind = recurrent.kind(mixer)
         if kind is not None:
             kinds[idx], consts[idx] = kind, kind.constants(mixer)
-            if mamba_tree is not None:
-                per_layer[idx] = mamba_tree.conv_scan_tables(kind.conv_width(mixer))
+            if recurrent_tree is not None:
+                per_layer[idx] = recurrent_tree.conv_scan_tables(kind.conv_width(mixer))
     tree_in = dict(ancestors=tree.mask, depth=tree.depth, lengths=lengths, span=span, nodes=nodes)
-    return dict(kinds=kinds, consts=consts, mamba=per_layer, tree=tree_in)
+    return dict(kinds=kinds, consts=consts, recurrent=per_layer, tree=tree_in)
 
 
 def _with_slots(t: torch.Tensor, slots: int) -> torch.Tensor:

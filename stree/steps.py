@@ -21,7 +21,7 @@ def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
 
     def run(idx, mixer, h):
         if idx in tables["kinds"]:
-            out, acts[idx] = tables["kinds"][idx].tree_forward(mixer, h, layers[idx], tables["mamba"][idx],
+            out, acts[idx] = tables["kinds"][idx].tree_forward(mixer, h, layers[idx], tables["recurrent"][idx],
                                                                impl=impl, k=tables["consts"][idx])
         else:
             out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)

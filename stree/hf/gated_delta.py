@@ -41,9 +41,6 @@ class DeltaView:
             raise TypeError(f"{layer_name}: {self.num_heads} value heads are not a multiple of "
                             f"{self.num_k_heads} key heads")
 
-    def parameters(self):
-        return self.m.parameters()
-
     @staticmethod
     def heads(m) -> tuple[int, int, int, int]:
         """``(value heads, key heads, key head dim, value head dim)`` of the module."""

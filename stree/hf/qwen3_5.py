@@ -4,6 +4,8 @@ layers, each a Gated DeltaNet or a gated attention layer (``layer_types``), foll
 rotary is multimodal (M-RoPE); for text every section reads the same position, as here."""
 from __future__ import annotations
 
+import sys
+
 from stree.hf.common import Family, layer_name
 from stree.hf.gated_delta import GatedAttentionView, Qwen3_5DeltaView
 
@@ -14,7 +16,7 @@ class Qwen3_5Family(Family):
     def __init__(self, model):
         super().__init__(model)
         inner = model.model
-        apply_rope = _modeling(model).apply_rotary_pos_emb
+        apply_rope = sys.modules[type(inner).__module__].apply_rotary_pos_emb
         for i, (layer, kind) in enumerate(zip(inner.layers, model.config.layer_types)):
             if kind == "linear_attention":
                 self.mixers[i] = self.delta_view(layer.linear_attn, layer_name(model, i, "Gated DeltaNet"))
@@ -33,8 +35,3 @@ class Qwen3_5Family(Family):
             h = h + (ffn[0] if isinstance(ffn, tuple) else ffn)
         return inner.norm(h)
 
-
-def _modeling(model):
-    import sys
-
-    return sys.modules[type(model.model).__module__]
