@@ -10,7 +10,7 @@ one torch thread, as vLLM's CPU worker runs on this machine):
 - ``tree_attention_rows``: an attention layer's tree rows (6 query heads on 2 KV heads of 64
   channels) read in place from a paged cache laid out as vLLM's fp32 CPU cache (blocks of 128
   tokens, K channel-major, V token-major), against the eager baseline: the context gathered and
-  SDPA under the tree mask (the gathered path of ``stree.vllm.trees.tree_attention``).
+  SDPA under the tree mask (the gathered path of ``stree.vllm.attention_rows.tree_attention``).
 
     python bench/cpu_ops.py
 

@@ -33,7 +33,7 @@ def _timers():
     import stree.vllm.attention as attention
     import stree.vllm.mixer as mixer
     from stree.vllm.proposer import StreeProposer
-    from stree.vllm.trees import TreeStep
+    from stree.vllm.step import TreeStep
 
     acc = {}
 

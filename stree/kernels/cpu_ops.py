@@ -8,7 +8,7 @@ ops do a Mamba2 layer's tree conv, tree scan and their commits, gathers and copi
 attention layer's tree rows over the engine's paged KV cache, one call each. Each has an eager
 reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
 :func:`stree.kernels.tree_scan.tree_scan`, :mod:`stree.kernels.replay`,
-:func:`stree.vllm.trees.tree_attention`'s gathered path), which is what runs where
+:func:`stree.vllm.attention_rows.tree_attention`'s gathered path), which is what runs where
 the ops cannot: no compiler (a warning, once), ``STREE_CPU_OPS=0``, or anything but fp32 CPU
 tensors.
 """

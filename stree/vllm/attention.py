@@ -3,8 +3,8 @@
 ``STREE_VLLM_GPU_TREES=1`` only, ``FLASH_ATTN`` (written against vLLM 0.32's layout, never run).
 
 Outside a tree step each is vLLM's backend unchanged. In a step with trees
-(:mod:`stree.vllm.trees`) a tree request's query rows are computed once, by
-:func:`~stree.vllm.trees.tree_attention`: its committed context and each node's ancestors, at
+(:mod:`stree.vllm.step`) a tree request's query rows are computed once, by
+:func:`~stree.vllm.attention_rows.tree_attention`: its committed context and each node's ancestors, at
 positions by depth; the K/V vLLM wrote for the nodes (one slot each) are read in place. On the
 CPU the batch's other rows (prefills, requests without a tree) go to vLLM's own kernel as a
 sub-batch (its metadata and kernel schedule built once per step and shared by the layers), so no
@@ -25,7 +25,9 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadata)
 
 from stree.vllm.speculative import GPU_TREES
-from stree.vllm.trees import FlashLayout, current, tree_attention
+from stree.vllm.attention_rows import rest, tree_attention
+from stree.vllm.kv_layout import FlashLayout
+from stree.vllm.step import current
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -35,10 +37,10 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         step = current()
         if step is None or attn_metadata is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        rest = step.rest(attn_metadata, lambda rows, tokens, loc, seq_lens: _sub_batch(
+        rest_rows = rest(step, attn_metadata, lambda rows, tokens, loc, seq_lens: _sub_batch(
             self, layer, attn_metadata, rows, tokens, loc, seq_lens, query.dtype))
-        if rest is not None:
-            tokens, sub = rest
+        if rest_rows is not None:
+            tokens, sub = rest_rows
             out = output.new_empty((len(tokens), *output.shape[1:]))
             super().forward(layer, query[tokens], key, value, kv_cache, sub, out, *args, **kwargs)
             output[tokens] = out

@@ -1,5 +1,5 @@
 """What the proposer hands the engine's tree path for one request: :class:`DraftedTree` (the type
-both :mod:`stree.vllm.proposer` and :mod:`stree.vllm.trees` use, below both)."""
+both :mod:`stree.vllm.proposer` and :mod:`stree.vllm.step` use, below both)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,14 +2,14 @@
 ``PluggableLayer.register_oot``), so every Mamba2 layer vLLM builds (its Mamba2 family and
 stree's MambaInLlama model) is this class.
 
-Outside a tree step it is vLLM's mixer unchanged. In a step with trees (:mod:`stree.vllm.trees`)
+Outside a tree step it is vLLM's mixer unchanged. In a step with trees (:mod:`stree.vllm.step`)
 its ``conv_ssm_forward`` (the part of the layer that runs inside vLLM's ``mamba_mixer2`` op, which
 vLLM's compilation keeps out of its graphs) runs each tree's nodes with stree's tree conv and tree
 scan from the committed state, nothing written, keeping what the commit replays; the batch's other
 rows (prefills, requests without a tree) go through vLLM's own code with the tree rows' state slots
 set to vLLM's null block, which its ops skip (where every decode row is a tree, through its prefill
 path alone). Where the tree rows sit among the decode rows, their
-slots and start states are read once per step (:meth:`~stree.vllm.trees.TreeStep.mamba_rows`)
+slots and start states are read once per step (:meth:`~stree.vllm.step.TreeStep.recurrent_rows`)
 and shared by every layer: per layer and tree shape the work is the gathers, the conv, the scan
 and the output writes.
 """
@@ -21,7 +21,9 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import NULL_BLOCK_ID
 
-from stree.vllm.trees import current, tree_conv_rows, tree_scan_rows
+from stree.vllm.conv_rows import tree_conv_rows
+from stree.vllm.mamba2_rows import tree_scan_rows
+from stree.vllm.step import current
 
 
 class TreeMambaMixer2(MambaMixer2):
@@ -33,7 +35,7 @@ class TreeMambaMixer2(MambaMixer2):
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         if step is None or metadata is None or not metadata.num_decodes:
             return super().conv_ssm_forward(projected_states, output)
-        rows = step.mamba_rows(metadata.query_start_loc_d, metadata.state_indices_tensor_d,
+        rows = step.recurrent_rows(metadata.query_start_loc_d, metadata.state_indices_tensor_d,
                                metadata.num_accepted_tokens, NULL_BLOCK_ID)
         d = metadata.num_decode_tokens
         heads, groups = self.num_heads // self.tp_size, self.n_groups // self.tp_size

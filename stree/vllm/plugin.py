@@ -73,7 +73,7 @@ def register() -> None:
     # tree specs: stree's tree verification inside the engine: the runner's two hooks, and the
     # layers vLLM builds (an attention backend in vLLM's registry, an out-of-tree Mamba2 mixer)
     from stree.vllm import attention, mixer
-    from stree.vllm.trees import patch_trees
+    from stree.vllm.runner import patch_trees
 
     patch_trees()
     attention.register()

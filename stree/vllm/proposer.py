@@ -31,7 +31,7 @@ accept x with probability min(1, p(x) / q(x)), else draw from (p - q)+), lossles
 tokens were really drawn from, instead of the one-hot rule, which accepts x only with
 probability p(x).
 
-Where stree verifies (:mod:`stree.vllm.trees`: every tree spec, and chains but where
+Where stree verifies (:mod:`stree.vllm.step`: every tree spec, and chains but where
 :attr:`~stree.vllm.speculative.DraftSpec.stree_verifies` leaves them to vLLM) the drafted tree's
 nodes go to vLLM flattened in topological order, and the tree itself (with the distributions its
 children were drawn from and the verifier for the request's sampling settings) is kept in

@@ -12,7 +12,7 @@ loads, loads and patches (Mamba-1 layers and other unsupported layers are refuse
 vocabulary equals the target's, the tree spec parses.
 
 What runs: any drafter spec stree parses (chains, static, caterpillar, beam, DySpec, DynaTree
-trees) drafts trees that stree verifies inside the engine (:mod:`stree.vllm.trees`; a chain is a
+trees) drafts trees that stree verifies inside the engine (:mod:`stree.vllm.step`; a chain is a
 tree), except a chain under SpS on a GPU or with ``"verifier": "sps"`` named, which vLLM's own
 rejection sampler verifies (:mod:`stree.vllm.proposer`). On the CPU stree's tree step costs less
 than vLLM's speculative Mamba2 ops over the same chain (docs/vllm.md); on a GPU vLLM's kernels
@@ -96,7 +96,7 @@ class DraftSpec:
 
     @property
     def stree_verifies(self) -> bool:
-        """Whether stree verifies inside the engine (:mod:`stree.vllm.trees`): every tree and
+        """Whether stree verifies inside the engine (:mod:`stree.vllm.step`): every tree and
         chain, but a chain under SpS (no verifier, or ``"sps"``) where :attr:`vllm_sps` gives it
         to vLLM's own rejection sampler, which runs SpS (``translate``: on a GPU, or ``"sps"``
         named)."""

@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import AttentionType
 from stree.vllm.attention import computes_tree_rows
 from stree.vllm.mixer import TreeMambaMixer2
 from stree.vllm.speculative import UnsupportedTarget
-from stree.vllm.trees import attention_refusal
+from stree.vllm.attention_rows import attention_refusal
 
 SUPPORTED_LAYERS = ("Mamba2 layers (vLLM's MambaMixer2) and plain causal decoder attention (vLLM's Attention: "
                     "no ALiBi, sliding window, sinks, KV sharing or quantised KV cache)")

@@ -1,4 +1,4 @@
-"""Tree drafts inside vLLM (stree.vllm.trees) on the shipped MambaInLlama target: greedy output
+"""Tree drafts inside vLLM (stree.vllm.step) on the shipped MambaInLlama target: greedy output
 equal token for token to the target's own greedy decoding (stree, plain PyTorch) over 64 tokens,
 four concurrent requests of different lengths, for static, beam and dynamic trees and three
 drafts (continuous batching with trees: tests/vllm/test_engine_speculative.py). One engine per

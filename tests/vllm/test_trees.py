@@ -1,8 +1,8 @@
-"""stree.vllm.trees without an engine: the tree rows of the Mamba2 mixer and of the attention
+"""stree.vllm's tree rows without an engine: the tree rows of the Mamba2 mixer and of the attention
 backend, and the commit, against plain per-path recurrences written here (each root-to-node path
 run token by token as a sequence), on vLLM's own state and KV-cache layouts. Each step holds three
 requests: two trees of one shape (run as one batch) with different accepted paths, and a chain;
-where the Mamba2 rows sit among vLLM's decode rows is read once per step (``mamba_rows``)."""
+where the Mamba2 rows sit among vLLM's decode rows is read once per step (``recurrent_rows``)."""
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +13,11 @@ from stree.kernels import cpu_ops
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.drafted import DraftedTree
-from stree.vllm.trees import (CacheLayout, FlashLayout, TreeRow, TreeStep, tree_attention, tree_conv_rows,
-                              tree_scan_rows)
+from stree.vllm.attention_rows import tree_attention
+from stree.vllm.conv_rows import tree_conv_rows
+from stree.vllm.kv_layout import CacheLayout, FlashLayout
+from stree.vllm.mamba2_rows import tree_scan_rows
+from stree.vllm.step import TreeRow, TreeStep
 
 PARENTS = [-1, 0, 0, 1, 1, 3, 2]
 CHAIN = [-1, 0, 1, 2]
@@ -63,7 +66,7 @@ def test_tree_conv_equals_each_path_as_a_sequence_and_commits_the_path(tree_rows
     slots, accepted = [1, 4, 2], [2, 1, 3]  # last step's accepted counts: windows start at column a - 1
     indices = torch.tensor([[s] + [0] * k for s in slots])
     step = _step()
-    rows = step.mamba_rows(torch.tensor(STARTS + [TOKENS]), indices, torch.tensor(accepted), -1)
+    rows = step.recurrent_rows(torch.tensor(STARTS + [TOKENS]), indices, torch.tensor(accepted), -1)
     out = tree_conv_rows(x, conv_state, weight, bias, "silu", rows, step)
     assert rows.handled == [0, 1, 2] and rows.masked is None
     assert torch.equal(conv_state, before)  # nothing written while verifying
@@ -96,7 +99,7 @@ def test_tree_scan_equals_each_path_as_a_sequence_and_commits_the_path(tree_rows
     A, dt_bias, D = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
     B, C = torch.randn(TOKENS, g, n), torch.randn(TOKENS, g, n)
     step = _step()
-    rows = step.mamba_rows(torch.tensor(STARTS + [TOKENS]), torch.tensor(slots), torch.tensor(accepted), -1)
+    rows = step.recurrent_rows(torch.tensor(STARTS + [TOKENS]), torch.tensor(slots), torch.tensor(accepted), -1)
     out = torch.zeros(TOKENS, h, p)
     tree_scan_rows(state, x, dt, A, B, C, D, dt_bias, rows, step, out)
     assert rows.handled == [0, 1, 2] and torch.equal(state, before)
@@ -209,7 +212,7 @@ def test_rows_of_other_requests_are_left_to_vllm():
     step = _step()
     table = torch.tensor([[1, 0], [4, 0], [2, 0], [7, 0]])
     starts = torch.tensor(STARTS + [TOKENS, TOKENS + 2])
-    rows = step.mamba_rows(starts, table, torch.tensor([1, 1, 1, 1]), -1)
+    rows = step.recurrent_rows(starts, table, torch.tensor([1, 1, 1, 1]), -1)
     assert rows.handled == [0, 1, 2]
     assert rows.masked.tolist() == [[-1, -1], [-1, -1], [-1, -1], [7, 0]] and table[0, 0] == 1
-    assert step.mamba_rows(starts, table, torch.tensor([1, 1, 1, 1]), -1) is rows
+    assert step.recurrent_rows(starts, table, torch.tensor([1, 1, 1, 1]), -1) is rows

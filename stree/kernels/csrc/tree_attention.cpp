@@ -4,7 +4,7 @@
 // gathered copy of the context and no mask the size of the context.
 //
 // Reference (same math, eager PyTorch, the path that runs where this op cannot, and the oracle of
-// tests/test_cpu_ops.py beside a per-node softmax): stree/vllm/trees.py (tree_attention, SDPA over
+// tests/test_cpu_ops.py beside a per-node softmax): stree/vllm/attention_rows.py (tree_attention, SDPA over
 // the gathered context under the tree mask). fp32 only.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
