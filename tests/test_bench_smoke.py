@@ -9,6 +9,8 @@
 * ``bench/vllm.py``'s split of methods into engines (its runs need the vLLM environment).
 * ``bench/cpu_ops.py``: every op and tree, the attention op checked against its eager baseline.
 * ``bench/gdn_state.py``: its memory formula against what a Gated DeltaNet tree forward keeps.
+* ``bench/multiturn.py`` on the tiny pair: code and chat conversations in every cache mode, cached
+  tokens where a session or the prefix cache holds them, and a differing reply failing the run.
 """
 import csv
 import gzip
@@ -31,6 +33,7 @@ prepack = importlib.import_module("prepack")
 cpu_ops_bench = importlib.import_module("cpu_ops")
 replot = importlib.import_module("replot")
 gdn_state = importlib.import_module("gdn_state")
+multiturn = importlib.import_module("multiturn")
 
 from models import data  # noqa: E402
 from stree.hybrid import MambaInLlamaConfig, MambaInLlamaForCausalLM  # noqa: E402
@@ -228,3 +231,50 @@ def test_gdn_state_formula_is_what_a_tree_forward_keeps(capsys):
         for n in gdn_state.NODES:
             d = gdn_state.designs(s, n)
             assert d["stree"] < d["chain slots"] < d["state per node"]
+
+
+MULTITURN = ["--sets", "code", "chat", "--conversations", "2", "--turns", "3", "--system-tokens", "40",
+             "--turn-tokens", "20", "--max-new-tokens", "6", "--device", "cpu"]
+
+
+def test_multiturn_smoke(tmp_path):
+    """bench/multiturn.py on the tiny pair (a 256-position context): every method in every cache
+    mode, identical replies, what each mode reuses, result files tagged."""
+    models = write_model_dir(tmp_path)
+    out = tmp_path / "results"
+    methods = ["ar", "ar-tree", "tree:caterpillar:2,2,2+suffix:16"]
+    assert multiturn.main(["--models", str(models), *MULTITURN, "--methods", *methods, "--pin-system",
+                           "--out", str(out)]) == 0
+    configs = [("ar", "none")] + [(m, mode) for mode in ("none", "session", "prefix") for m in methods[1:]]
+    summary = read_rows(out, "multiturn_code+chat_*[0-9].json")
+    assert [(r["method"], r["mode"], r["turn"]) for r in summary if r["turn"] == "all"] == [
+        (m, mode, "all") for m, mode in configs]
+    assert all(r["identical"] and r["ttft_s"] > 0 for r in summary)
+    turns = read_rows(out, "multiturn_*_per_prompt.csv.gz")
+    assert len(turns) == 2 * 2 * 3 * len(configs)
+    for r in turns:
+        cached, prompt, turn = int(r["cached_tokens"]), int(r["prompt_tokens"]), int(r["turn"])
+        assert int(r["prefilled_tokens"]) == prompt - cached and float(r["ttft_s"]) > 0
+        if r["mode"] == "none":
+            assert cached == 0
+        elif turn > 1:  # the conversation so far, but the reply's last token or few
+            assert cached >= prompt - int(r["input_tokens"]) - 8
+        elif r["mode"] == "prefix":  # the pinned system prompt
+            assert cached == 41
+        else:  # a session's first turn: nothing held yet
+            assert cached == 0
+
+
+def test_multiturn_fails_on_a_differing_reply(tmp_path, monkeypatch, capsys):
+    models = write_model_dir(tmp_path)
+    turn = multiturn.Runner.turn
+
+    def wrong(self, *args):
+        reply, m = turn(self, *args)
+        return (reply[:-1] + [reply[-1] + 1] if self.mode == "prefix" else reply), m
+
+    monkeypatch.setattr(multiturn.Runner, "turn", wrong)
+    out = tmp_path / "results"
+    assert multiturn.main(["--models", str(models), *MULTITURN, "--methods", "ar-tree", "--modes", "none",
+                           "prefix", "--out", str(out)]) == 1
+    assert "FAILED" in capsys.readouterr().out and not out.exists()
