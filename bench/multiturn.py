@@ -46,6 +46,16 @@ turn k of a conversation before turn k + 1). Greedy only: every turn's reply mus
 token for token in every configuration (cached and uncached, every method), else the script
 prints the first difference and exits 1 before writing anything.
 
+``--vllm`` (run inside the vLLM environment, ``scripts/venv-vllm python bench/multiturn.py --vllm``)
+then sends the same conversations (every turn's prompt as stree's run built it, stree's replies
+included) to vLLM engines with prefix caching on, one engine a child process per method (start-up
+untimed, one warm-up request on another text): vLLM's own decoding (``vllm:ar``) and
+``method: "stree"`` with the merged tree (``vllm:stree-merged``), as rows of mode ``vllm-prefix``
+with vLLM's own ``num_cached_tokens`` and its request metrics (first-token latency from arrival,
+decoding from the first to the last token's engine timestamps). Their replies are compared with
+stree's (``exact``), not required to equal them. stree's plugin turns vLLM's prefix caching off
+for Mamba models on CPU, so there ``num_cached_tokens`` stays 0.
+
 It prints a markdown table and writes, under ``--out``, ``multiturn_{sets}_{device}_{date}.csv``
 / ``.json`` (one row per method, mode and turn index, and one over all turns, ``turn`` = "all")
 and ``..._per_prompt.csv.gz`` (one row per turn of each conversation), tagged with device,
@@ -56,7 +66,9 @@ commit and date.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -66,9 +78,12 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):  # run as a script from anywhere: stree, _common, e2e
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+# run as a script from anywhere: stree first, _common and e2e from the end of the path (the vLLM
+# engine's processes re-import this file, and bench/vllm.py must not shadow the vllm package there)
+if str(_HERE.parent) not in sys.path:
+    sys.path.insert(0, str(_HERE.parent))
+if str(_HERE) not in sys.path:
+    sys.path.append(str(_HERE))
 
 from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
 from e2e import DTYPES, Method, first_mismatch, heldout_code  # noqa: E402
@@ -101,6 +116,8 @@ class Config:
     dtype: str
     out: Path
     no_prepack: bool = False
+    vllm: bool = False
+    enforce_eager: bool = False
 
 
 def parse_args(argv=None) -> Config:
@@ -130,8 +147,16 @@ def parse_args(argv=None) -> Config:
     ap.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--no-prepack", action="store_true",
                     help="CPU fp32: plain linear layers instead of prepacked weights")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also replay the conversations in vLLM engines with prefix caching (needs "
+                         "the vLLM environment, scripts/venv-vllm)")
+    ap.add_argument("--enforce-eager", action="store_true", help="--vllm: vLLM's eager mode (no torch.compile)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--vllm-child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.vllm_child:
+        _vllm_engine(json.loads(a.vllm_child))
+        raise SystemExit(0)
     target = a.target or os.path.join(a.models, "target")
     draft = a.draft or os.path.join(a.models, "draft")
     if not 1 <= a.turns <= 10:
@@ -149,7 +174,8 @@ def parse_args(argv=None) -> Config:
                   conversations=a.conversations, turns=a.turns, system_tokens=a.system_tokens,
                   turn_tokens=a.turn_tokens, max_new_tokens=a.max_new_tokens, methods=methods,
                   modes=list(dict.fromkeys(a.modes)), pin_system=a.pin_system, device=a.device,
-                  dtype=dtype, out=a.out, no_prepack=a.no_prepack)
+                  dtype=dtype, out=a.out, no_prepack=a.no_prepack, vllm=a.vllm,
+                  enforce_eager=a.enforce_eager)
 
 
 # ---- workloads ---------------------------------------------------------------------------
@@ -354,9 +380,10 @@ def warm_up(runs: list[Runner], target, draft, conv: Conversation, eos) -> None:
 
 
 def benchmark(cfg: Config, target, draft, eos, encode, bos, meta):
-    """Every set, conversation, turn and configuration; returns (per-turn rows, error)."""
+    """Every set, conversation, turn and configuration; returns (per-turn rows, the turns'
+    prompts and replies, error)."""
     runs = runners(cfg)
-    rows = []
+    rows, replayed = [], []  # replayed: (set, conversation, turn, prompt, reply) for --vllm
     warmed = False
     for name in cfg.sets:
         convs = build_workload(cfg, name, encode, bos)
@@ -370,6 +397,7 @@ def benchmark(cfg: Config, target, draft, eos, encode, bos, meta):
         for c, conv in enumerate(convs):
             for r in runs:
                 r.new_conversation()
+            history: list[int] = []
             for k, user in enumerate(conv.turns):
                 ids = (conv.system if k == 0 else []) + user
                 replies = {}
@@ -380,13 +408,16 @@ def benchmark(cfg: Config, target, draft, eos, encode, bos, meta):
                                      method=r.method.label, **m))
                 error = first_mismatch(replies)
                 if error is not None:
-                    return rows, f"{name} conversation {c} turn {k + 1}: {error.replace('prompt 0: ', '')}"
+                    return rows, replayed, f"{name} conversation {c} turn {k + 1}: {error.replace('prompt 0: ', '')}"
+                (reply,), *_ = replies.values()
+                replayed.append((name, c, k + 1, history + ids, reply))
+                history = history + ids + reply
                 last = rows[-len(runs):]
                 print(f"  {name} conv {c} turn {k + 1}: prompt {last[0]['prompt_tokens']} tokens, reply "
                       f"{last[0]['new_tokens']}; TTFT ms " + ", ".join(
                           f"{x['method']}[{x['mode']}] {_ms(x['ttft_s'])} ({x['cached_tokens']} cached)"
                           for x in last), flush=True)
-    return rows, None
+    return rows, replayed, None
 
 
 def _ms(s):
@@ -417,7 +448,8 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
                         decode_tokens_per_s=decoded / decode_s if decode_s > 0 else None,
                         total_s=sum(r["total_s"] for r in rs),
                         tau=sum(r["new_tokens"] - 1 for r in rs) / steps if steps else None,
-                        identical=True))
+                        identical=True if mode != "vllm-prefix" else None,
+                        exact=all(r.get("exact", True) for r in rs)))
     for r in out:
         base = next((b for b in out if b["method"] == r["method"] and b["mode"] == "none"
                      and b["turn"] == r["turn"]), None)
@@ -442,6 +474,72 @@ def markdown_table(summary: list[dict]) -> str:
         lines.append(f"| {method} | {mode} | {ttfts} | {cached} | {_ms(total['ttft_s'])} | "
                      f"{f'{speedup:.2f}x' if speedup else '-'} | {f'{decode:.1f}' if decode else '-'} |")
     return "\n".join(lines)
+
+
+# ---- vLLM -------------------------------------------------------------------------------
+
+VLLM_METHODS = {"vllm:ar": None,
+                "vllm:stree-merged": {"method": "stree", "model": "{draft}", "tree": "caterpillar:2,2,2+suffix:16"}}
+VLLM_WARM_UP = "The weather report for the coast this weekend says"  # in no conversation
+
+
+def _vllm_engine(spec: dict) -> None:
+    """Child: one engine with prefix caching; every turn's prompt in order, one request each."""
+    here = _HERE  # bench/vllm.py lies there: take the folder off the path so that `vllm` is the package
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["target"], dtype="float32", enforce_eager=spec["enforce_eager"],
+              max_model_len=spec["max_model_len"], max_num_seqs=1, seed=0, kv_cache_memory_bytes=1 << 29,
+              enable_prefix_caching=True, disable_log_stats=False,
+              speculative_config=spec["speculative_config"])
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
+    llm.generate([VLLM_WARM_UP], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    results = []
+    for ids in spec["prompts"]:
+        start = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        total = time.perf_counter() - start
+        m = out.metrics
+        first = getattr(m, "first_token_latency", None) if m is not None else None
+        decode = (m.last_token_ts - m.first_token_ts) if m is not None and m.first_token_ts else None
+        results.append(dict(tokens=list(out.outputs[0].token_ids), cached=out.num_cached_tokens,
+                            ttft_s=first or None, decode_s=decode, total_s=total))
+    print("MULTITURN-VLLM " + json.dumps(results), flush=True)
+
+
+def run_vllm(cfg: Config, replayed, meta) -> list[dict]:
+    """Rows of mode ``vllm-prefix``: each of :data:`VLLM_METHODS` in an engine of its own."""
+    from stree.checkpoints import model_config
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    prompts = [p for *_, p, _ in replayed]
+    rows = []
+    for label, config in VLLM_METHODS.items():
+        config = config and json.loads(json.dumps(config).replace("{draft}", cfg.draft))
+        spec = dict(target=cfg.target, speculative_config=config, prompts=prompts,
+                    max_new_tokens=cfg.max_new_tokens, enforce_eager=cfg.enforce_eager,
+                    max_model_len=model_config(cfg.target).get("max_position_embeddings", 2048))
+        proc = subprocess.run([sys.executable, __file__, "--vllm-child", json.dumps(spec)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr[-20000:])
+            raise SystemExit(f"the vLLM engine for {label} failed (exit {proc.returncode})")
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("MULTITURN-VLLM ")][-1]
+        for (name, c, k, prompt, reply), res in zip(replayed, json.loads(line.split(" ", 1)[1])):
+            n, decode_s = len(res["tokens"]), res["decode_s"] or 0.0
+            rows.append(dict(meta, set=name, conversation=c, turn=k, mode="vllm-prefix", method=label,
+                             prompt_tokens=len(prompt), input_tokens=None, cached_tokens=res["cached"] or 0,
+                             prefilled_tokens=len(prompt) - (res["cached"] or 0), new_tokens=n,
+                             ttft_s=res["ttft_s"], decode_s=decode_s,
+                             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+                             total_s=res["total_s"], prefill_s=None, steps=0, target_calls=None,
+                             draft_calls=None, tau=None, drafter=None, verifier=None,
+                             exact=res["tokens"] == reply))
+        exact = all(r["exact"] for r in rows if r["method"] == label)
+        print(f"  {label}: {sum(r['cached_tokens'] for r in rows if r['method'] == label)} prompt tokens "
+              f"cached by vLLM over {len(prompts)} turns; replies equal stree's: {exact}", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -471,11 +569,13 @@ def main(argv=None) -> int:
     for m in cfg.methods:
         if m.method in STATELESS and set(cfg.modes) - {"none"}:
             print(f"  ({m.label} keeps no state between calls: it runs without a cache only)")
-    rows, error = benchmark(cfg, target, draft, eos, encode, bos, meta)
+    rows, replayed, error = benchmark(cfg, target, draft, eos, encode, bos, meta)
     if error is not None:
         print(f"\nFAILED: greedy replies must be identical in every configuration; {error}. "
               "No results written.")
         return 1
+    if cfg.vllm:
+        rows += run_vllm(cfg, replayed, meta)
     summary = summarize(rows, meta)
     print("\n" + markdown_table(summary) + "\n")
     stem = result_stem(cfg.out, "multiturn_" + "+".join(cfg.sets), meta)
