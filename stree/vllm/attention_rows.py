@@ -148,7 +148,7 @@ def tree_attention(impl, layer, query: torch.Tensor, key_cache: torch.Tensor, va
                 out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=impl.scale, enable_gqa=True)
-            g.put(rows, out.transpose(1, 2))
+            g.put(rows, out.transpose(1, 2).to(rows.dtype))
     step.keep(KVMove(key_cache, value_cache, layout, metadata.slot_mapping))
 
 

@@ -71,13 +71,18 @@ def register() -> None:
         patch_cpu_prefix_caching()
         patch_cpu_expand()
     # tree specs: stree's tree verification inside the engine: the runner's two hooks, and the
-    # layers vLLM builds (an attention backend in vLLM's registry, an out-of-tree Mamba2 mixer)
+    # layers vLLM builds (an attention backend in vLLM's registry, an out-of-tree Mamba2 mixer,
+    # on the CPU an out-of-tree Qwen Gated DeltaNet layer)
     from stree.vllm import attention, mixer
     from stree.vllm.runner import patch_trees
 
     patch_trees()
     attention.register()
     mixer.register()
+    if current_platform.is_cpu():
+        from stree.vllm import gated_delta
+
+        gated_delta.register()
     model_config.get_config = _route(model_config.get_config)
     _registered = True
 

@@ -71,6 +71,7 @@ from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.speculative import DraftSpec, draft_size, load_draft
 from stree.vllm.drafted import DraftedTree
+from stree.vllm.runner import verified_by_stree
 
 GREEDY = SamplingConfig(temperature=0.0)
 DRAFT_SEED_OFFSET = 0x5EED_D4AF7  # the draft's generator: vLLM's seed plus this
@@ -209,6 +210,7 @@ class StreeProposer:
         self.budget = self.k  # draft tokens per request vLLM takes this step (see bind)
         self.last_probs: torch.Tensor | None = None  # (num_reqs, K, vocab) of the last propose
         self.chains: dict[tuple[int, int], TokenTree] = {}  # catch-up chain templates by (rows, width)
+        self.full_chains_only = False  # set in load_model (see full_chains_only in stree.vllm.targets)
 
     # -- lifecycle (from vLLM and patch_runner) ---------------------------------------------------
     @torch.inference_mode()
@@ -223,9 +225,10 @@ class StreeProposer:
         per machine, cached), so the first tree step does not wait for a compiler."""
         from vllm.platforms import current_platform
 
-        from stree.vllm.targets import check_layers
+        from stree.vllm.targets import check_layers, full_chains_only
 
         check_layers(target, self.stree_verifies, self.uses_mrope)
+        self.full_chains_only = full_chains_only(target)
         if self.stree_verifies and current_platform.is_cpu():
             cpu_ops.ops()
         if not self.compiled:
@@ -320,6 +323,11 @@ class StreeProposer:
                     out[i] = tokens[:self.budget]  # the tree's first nodes: a subtree
                     if q is not None:
                         probs[i] = q
+        if self.full_chains_only:  # what vLLM verifies itself: K draft tokens or none
+            for i, tokens in enumerate(out):
+                if len(tokens) != self.k and not self._stree_verifies(i):
+                    out[i] = []
+                    probs.pop(i, None)
         self.last_probs = None
         if probs:
             vocab = next(iter(probs.values())).shape[-1]
@@ -327,6 +335,10 @@ class StreeProposer:
             for i, q in probs.items():
                 self.last_probs[i] = q
         return out
+
+    def _stree_verifies(self, i: int) -> bool:
+        """Whether stree verifies request ``i``'s tree this step (else vLLM, as a chain)."""
+        return self.stree_verifies and verified_by_stree(self.params[i] if i < len(self.params) else None)
 
     def _catch_up(self, committed: dict[str, list[int]], leading: set[str],
                   solo: set[str] = frozenset()) -> dict[str, list[int]]:

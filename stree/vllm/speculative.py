@@ -63,10 +63,10 @@ KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDUL
 # kinds stree verifies over a tree, Mamba2 mixers and plain causal attention (stree.vllm.targets
 # checks the built layers again), each tested inside vLLM (docs/vllm.md); every other one is refused
 ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
-                 "Zamba2ForCausalLM", "MambaInLlamaForCausalLM", "MambaInLlamaMambaOnlyForCausalLM")
+                 "Zamba2ForCausalLM", "MambaInLlamaForCausalLM", "MambaInLlamaMambaOnlyForCausalLM",
+                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # the layers of some refused families, named in the error
-REFUSED_LAYERS = {"Qwen3NextForCausalLM": "Gated DeltaNet", "Qwen3_5ForCausalLM": "Gated DeltaNet",
-                  "Qwen3_5MoeForCausalLM": "Gated DeltaNet", "OlmoHybridForCausalLM": "Gated DeltaNet",
+REFUSED_LAYERS = {"OlmoHybridForCausalLM": "Gated DeltaNet",
                   "KimiLinearForCausalLM": "Kimi Delta Attention", "JambaForCausalLM": "Mamba-1",
                   "MambaForCausalLM": "Mamba-1", "FalconMambaForCausalLM": "Mamba-1"}
 
@@ -194,7 +194,8 @@ def check_target(architecture: str) -> None:
     layers = f" (its {REFUSED_LAYERS[architecture]} layers)" if architecture in REFUSED_LAYERS else ""
     raise UnsupportedTarget(
         f"speculative_config method 'stree': stree cannot verify trees on a {architecture} target inside "
-        f"vLLM{layers}. Supported targets, whose layers are Mamba2 mixers and plain causal attention: "
+        f"vLLM{layers}. Supported targets, whose layers are Mamba2 mixers, Qwen's Gated DeltaNet layers (on the CPU) "
+        f"and plain causal attention: "
         f"{', '.join(ARCHITECTURES)}; run this target without method 'stree'")
 
 

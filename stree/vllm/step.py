@@ -64,7 +64,7 @@ class TreeGroup:
         """A template of the group's shape for its ``b`` rows on ``device`` (the target's), whose
         tables (conv windows, scan masks) every layer reads: built once per shape, batch size and
         device (its tokens mean nothing)."""
-        return _template(self.parents, len(self.rows), device)
+        return template(self.parents, len(self.rows), device)
 
     def paths(self) -> torch.Tensor:
         """``(b, k)`` the verified paths, root first, -1 padded (after :meth:`TreeStep.verify`)."""
@@ -114,7 +114,9 @@ class TreeGroup:
 _TEMPLATES: dict[tuple, TokenTree] = {}  # (parents, b, device) -> template; bounded (dynamic trees)
 
 
-def _template(parents: tuple[int, ...], b: int, device) -> TokenTree:
+def template(parents: tuple[int, ...], b: int, device) -> TokenTree:
+    """A tree of shape ``parents`` for ``b`` rows on ``device`` whose tables the layers read (its
+    tokens mean nothing): built once per shape, batch size and device."""
     key = (parents, b, str(device))
     if key not in _TEMPLATES:
         if len(_TEMPLATES) >= 256:

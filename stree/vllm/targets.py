@@ -7,12 +7,15 @@ speculative ops failing mid-generation. So the kinds are an allow-list, checked 
 target before the engine runs a step (:func:`check_layers`, from the proposer's ``load_model``):
 
 - Mamba2 layers: vLLM's ``MambaMixer2``, built as stree's :class:`~stree.vllm.mixer.TreeMambaMixer2`;
+- on the CPU, Qwen's Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): vLLM's
+  ``QwenGatedDeltaNetAttention``, built as stree's
+  :class:`~stree.vllm.gated_delta.TreeQwenGatedDeltaNet`;
 - decoder attention (vLLM's ``Attention`` itself, no subclass) without ALiBi, sliding windows,
   sinks, KV sharing or a quantised cache, on stree's tree attention backend
   (:mod:`stree.vllm.attention`) wherever stree verifies.
 
-Every other layer with state or a KV cache (vLLM's ``AttentionLayerBase``: Gated DeltaNet, KDA,
-Mamba-1, short convolutions, linear attention, MLA ...) is refused, and so are multimodal
+Every other layer with state or a KV cache (vLLM's ``AttentionLayerBase``: other Gated DeltaNet
+layers (OLMo Hybrid's, which vLLM runs on GPUs only), KDA, Mamba-1, short convolutions, linear attention, MLA ...) is refused, and so are multimodal
 rotary positions (M-RoPE: the tree's positions by depth go to the 1-D positions only). The
 architectures whose layers pass are listed, for an error before any engine process starts, in
 :data:`stree.vllm.speculative.ARCHITECTURES`.
@@ -30,7 +33,8 @@ from stree.vllm.mixer import TreeMambaMixer2
 from stree.vllm.speculative import UnsupportedTarget
 from stree.vllm.attention_rows import attention_refusal
 
-SUPPORTED_LAYERS = ("Mamba2 layers (vLLM's MambaMixer2) and plain causal decoder attention (vLLM's Attention: "
+SUPPORTED_LAYERS = ("Mamba2 layers (vLLM's MambaMixer2), on the CPU Qwen's Gated DeltaNet layers "
+                    "(QwenGatedDeltaNetAttention), and plain causal decoder attention (vLLM's Attention: "
                     "no ALiBi, sliding window, sinks, KV sharing or quantised KV cache)")
 
 
@@ -38,6 +42,8 @@ def refusal(layer, stree_verifies: bool) -> str | None:
     """Why stree cannot verify a tree through ``layer`` (one of vLLM's ``AttentionLayerBase``
     layers), or None for a layer kind it verifies (module docstring)."""
     if type(layer) is TreeMambaMixer2:
+        return None
+    if _tree_gated_delta(layer):
         return None
     if type(layer) is not Attention:
         return f"{type(layer).__name__} layers"
@@ -51,6 +57,26 @@ def refusal(layer, stree_verifies: bool) -> str | None:
     if stree_verifies and not computes_tree_rows(layer.impl):
         return f"attention on a backend without tree rows ({type(layer.impl).__name__})"
     return None
+
+
+def _tree_gated_delta(layer) -> bool:
+    """Whether ``layer`` is stree's Qwen Gated DeltaNet layer (built on the CPU only)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from stree.vllm.gated_delta import TreeQwenGatedDeltaNet
+
+    return type(layer) is TreeQwenGatedDeltaNet
+
+
+def full_chains_only(model: nn.Module) -> bool:
+    """Whether vLLM's own speculative path is exact on ``model`` only for requests that propose all
+    ``K`` draft tokens: vLLM 0.32's CPU Gated DeltaNet path reads a request's conv window at the
+    column a step of ``K`` drafts leaves, so a shorter chain it verifies itself would read the wrong
+    inputs (and a one-token step after accepted drafts fails its buffer roll; stree's layer runs
+    one-token rows itself). The proposer then drafts ``K`` tokens or none for such requests."""
+    return any(_tree_gated_delta(module) for module in model.modules())
 
 
 def check_layers(model: nn.Module, stree_verifies: bool, uses_mrope: bool) -> None:

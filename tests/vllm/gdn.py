@@ -31,16 +31,20 @@ def qwen3_next(directory, seed: int = 0) -> str:
     return str(directory)
 
 
-def qwen3_5(directory, seed: int = 0) -> str:
-    """A random bf16 ``Qwen3_5ForCausalLM`` checkpoint (text only, dense MLPs) in ``directory``."""
+def qwen3_5(directory, seed: int = 0, vocab: int = VOCAB, logit_scale: float = 1.0) -> str:
+    """A random bf16 ``Qwen3_5ForCausalLM`` checkpoint (text only, dense MLPs) in ``directory``;
+    ``logit_scale`` sharpens its next-token distributions (the sampling tests' peaked ones)."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
     config = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"],
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         linear_conv_kernel_dim=4, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    Qwen3_5ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    model = Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model.to(torch.bfloat16).save_pretrained(directory)
     return str(directory)

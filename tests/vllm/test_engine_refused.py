@@ -1,7 +1,6 @@
 """Targets and drafts whose layers stree cannot verify over a tree are refused at start-up with one
-error naming them and what is supported, never run: a Qwen3-Next target (Gated DeltaNet layers),
-whose tree steps would otherwise go through vLLM's own GDN speculation over the flattened tree
-(wrong tokens or a failing op mid-generation); a draft of a kind stree does not load; a target of
+error naming them and what is supported, never run: a Jamba target (Mamba-1 layers), whose tree
+steps would otherwise go through vLLM's own Mamba-1 speculation over the flattened tree; a draft of a kind stree does not load; a target of
 a supported architecture whose attention layers have a sliding window (refused once vLLM has
 built it)."""
 import json
@@ -9,11 +8,12 @@ import shutil
 
 from stree.vllm.speculative import ARCHITECTURES
 
-from tests.vllm import drafts, engine, gdn
+from tests.vllm import drafts, engine
 
 PROMPTS = [[5, 17, 33, 40, 5, 17, 33, 40, 5, 17], [7, 8, 9, 7, 8, 9, 7, 8]]
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-SUPPORTED = f"Supported targets, whose layers are Mamba2 mixers and plain causal attention: {', '.join(ARCHITECTURES)}"
+SUPPORTED = (f"Supported targets, whose layers are Mamba2 mixers, Qwen's Gated DeltaNet layers (on the CPU) and plain "
+             f"causal attention: {', '.join(ARCHITECTURES)}")
 
 
 def _refused_before_any_engine(engine_args: dict) -> str:
@@ -26,16 +26,14 @@ def _refused_before_any_engine(engine_args: dict) -> str:
     return proc.stderr
 
 
-def test_gated_deltanet_target_refused_before_any_engine(tmp_path):
-    target = gdn.qwen3_next(tmp_path / "qwen3_next")
-    base = {"model": target, "skip_tokenizer_init": True, "dtype": "bfloat16"}
-    # the checkpoint itself runs in vLLM: what is refused is stree's trees on it
-    plain = engine.result(engine.run({"engine": base, "prompts": PROMPTS, "sampling": GREEDY}))
-    assert [len(t) for t in plain["tokens"]] == [8, 8]
+def test_mamba1_target_refused_before_any_engine(tmp_path):
+    """A Jamba target (its config: the refusal comes before any weight loads)."""
+    target = drafts.mamba1_hybrid(tmp_path / "jamba")
+    base = {"model": target, "skip_tokenizer_init": True}
     for spec in ({"method": "stree", "tree": "suffix:16"}, {"method": "stree", "tree": "chain:4"}):
         err = _refused_before_any_engine({**base, "speculative_config": spec})
         assert ("UnsupportedTarget: speculative_config method 'stree': stree cannot verify trees on a "
-                "Qwen3NextForCausalLM target inside vLLM (its Gated DeltaNet layers). " + SUPPORTED) in err
+                "JambaForCausalLM target inside vLLM (its Mamba-1 layers). " + SUPPORTED) in err
 
 
 def test_draft_of_a_kind_stree_does_not_load_refused_before_any_engine(tmp_path):

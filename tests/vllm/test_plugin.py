@@ -306,14 +306,14 @@ def test_the_layers_are_registered_in_vllms_registries():
     assert type(mixer) is TreeMambaMixer2
 
 
-@pytest.mark.parametrize("architecture, layers", [("Qwen3NextForCausalLM", " (its Gated DeltaNet layers)"),
+@pytest.mark.parametrize("architecture, layers", [("OlmoHybridForCausalLM", " (its Gated DeltaNet layers)"),
                                                   ("KimiLinearForCausalLM", " (its Kimi Delta Attention layers)"),
                                                   ("JambaForCausalLM", " (its Mamba-1 layers)"),
                                                   ("LlamaForCausalLM", ""), ("TransformersForCausalLM", "")])
 def test_targets_of_other_architectures_refused(architecture, layers):
-    """Only the architectures whose vLLM classes are built from Mamba2 mixers and plain causal
-    attention pass; any other (a Gated DeltaNet hybrid, an unknown one, vLLM's Transformers
-    fallback) is refused, naming it, its layers where the family is known, and what is
+    """Only the architectures whose vLLM classes are built from Mamba2 mixers, Qwen's Gated
+    DeltaNet layers and plain causal attention pass; any other (OLMo Hybrid's Gated DeltaNet, KDA,
+    an unknown one, vLLM's Transformers fallback) is refused, naming it, its layers where the family is known, and what is
     supported."""
     from stree.vllm.speculative import ARCHITECTURES, UnsupportedTarget, check_target
 
@@ -322,9 +322,9 @@ def test_targets_of_other_architectures_refused(architecture, layers):
     with pytest.raises(UnsupportedTarget) as err:
         check_target(architecture)
     assert str(err.value) == (f"speculative_config method 'stree': stree cannot verify trees on a {architecture} "
-                              f"target inside vLLM{layers}. Supported targets, whose layers are Mamba2 mixers and "
-                              f"plain causal attention: {', '.join(ARCHITECTURES)}; run this target without method "
-                              "'stree'")
+                              f"target inside vLLM{layers}. Supported targets, whose layers are Mamba2 mixers, Qwen's "
+                              f"Gated DeltaNet layers (on the CPU) and plain causal attention: {', '.join(ARCHITECTURES)}; "
+                              "run this target without method 'stree'")
 
 
 def _bare(cls):
@@ -347,10 +347,12 @@ def _attention(impl_cls, sliding_window=-1, kv_sharing=None):
 
 
 def test_layer_check_allows_mamba2_and_plain_attention_only():
-    """The layers of the built target: vLLM's Mamba2 mixer (stree's) and plain decoder attention
-    on stree's tree backend pass; a Gated DeltaNet layer, a sliding window, KV sharing, vLLM's
+    """The layers of the built target: vLLM's Mamba2 mixer and Qwen Gated DeltaNet layer (stree's)
+    and plain decoder attention on stree's tree backend pass; OLMo Hybrid's Gated DeltaNet layer, a
+    sliding window, KV sharing, vLLM's
     own attention backend where stree verifies, M-RoPE are refused, each kind named with its
     first layer."""
+    from vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn import OlmoHybridGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -360,21 +362,24 @@ def test_layer_check_allows_mamba2_and_plain_attention_only():
     from stree.vllm.targets import check_layers
 
     plugin.register()
-    supported = torch.nn.ModuleList([_bare(MambaMixer2), _attention(TreeCPUAttentionImpl)])
+    supported = torch.nn.ModuleList([_bare(MambaMixer2), _bare(QwenGatedDeltaNetAttention),
+                                     _attention(TreeCPUAttentionImpl)])
     check_layers(supported, stree_verifies=True, uses_mrope=False)
     check_layers(torch.nn.ModuleList([_attention(CPUAttentionBackendImpl)]), stree_verifies=False, uses_mrope=False)
-    mixed = torch.nn.ModuleList([*supported, _bare(QwenGatedDeltaNetAttention), _bare(QwenGatedDeltaNetAttention),
+    mixed = torch.nn.ModuleList([*supported, _bare(OlmoHybridGatedDeltaNetAttention),
+                                 _bare(OlmoHybridGatedDeltaNetAttention),
                                  _attention(TreeCPUAttentionImpl, sliding_window=8),
                                  _attention(TreeCPUAttentionImpl, kv_sharing="0"), _attention(CPUAttentionBackendImpl)])
     with pytest.raises(UnsupportedTarget) as err:
         check_layers(mixed, stree_verifies=True, uses_mrope=True)
     assert str(err.value) == (
         "speculative_config method 'stree': stree cannot verify trees on this ModuleList target inside vLLM: it "
-        "has QwenGatedDeltaNetAttention layers (2 and 1 more); attention with a sliding window (8) (4); attention "
-        "sharing another layer's KV cache (5); attention on a backend without tree rows (CPUAttentionBackendImpl) "
-        "(6); multimodal rotary positions (M-RoPE). stree verifies Mamba2 layers (vLLM's MambaMixer2) and plain "
-        "causal decoder attention (vLLM's Attention: no ALiBi, sliding window, sinks, KV sharing or quantised KV "
-        "cache) only; run this target without method 'stree'")
+        "has OlmoHybridGatedDeltaNetAttention layers (3 and 1 more); attention with a sliding window (8) (5); "
+        "attention sharing another layer's KV cache (6); attention on a backend without tree rows "
+        "(CPUAttentionBackendImpl) (7); multimodal rotary positions (M-RoPE). stree verifies Mamba2 layers (vLLM's "
+        "MambaMixer2), on the CPU Qwen's Gated DeltaNet layers (QwenGatedDeltaNetAttention), and plain causal "
+        "decoder attention (vLLM's Attention: no ALiBi, sliding window, sinks, KV sharing or quantised KV cache) "
+        "only; run this target without method 'stree'")
     with pytest.raises(UnsupportedTarget, match=r"M-RoPE\)\. stree verifies"):
         check_layers(supported, stree_verifies=True, uses_mrope=True)
 
