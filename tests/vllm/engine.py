@@ -32,6 +32,7 @@ def run(spec: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     "sampling": {...SamplingParams kwargs}}``, in one process unless ``"processes": True`` (see the
     module docstring), with ``spec["env"]`` (if any) added to the child's environment; the result
     is the stdout line after :data:`MARK`. ``"sampling"`` may be a list, one per prompt.
+    ``"turns": [[ids], ...]`` makes it a conversation from the first prompt (:func:`_converse`).
     ``{"runs": [spec, ...], "env": {...}}`` runs several engines one after another in the one child
     (vLLM imported once: after the first, an engine starts in seconds), the result
     ``{"runs": [result, ...]}``."""
@@ -91,11 +92,31 @@ def _generate(llm, spec: dict) -> dict:
                   else SamplingParams(**spec["sampling"]))
     if "abort" in spec:
         return _with_abort(llm, prompts, params, **spec["abort"])
+    if "turns" in spec:
+        return _converse(llm, spec["prompts"][0], params, spec["turns"])
     outs = llm.generate(prompts, params, use_tqdm=False)
-    counters = {m.name: m.value for m in llm.get_metrics()
-                if m.name.startswith(("vllm:spec_decode_num", "vllm:num_preemptions")) and hasattr(m, "value")}
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
-            "spec": counters}
+            "spec": _counters(llm)}
+
+
+def _counters(llm) -> dict:
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name.startswith(("vllm:spec_decode_num", "vllm:num_preemptions", "vllm:prefix_cache"))
+            and hasattr(m, "value")}
+
+
+def _converse(llm, prompt: list[int], params, turns: list[list[int]]) -> dict:
+    """A conversation, one request at a time: each of ``turns`` (the user's next token ids) is
+    appended to the last prompt and its output to make the next prompt. Returns each turn's output
+    tokens and ``num_cached_tokens`` (the prompt tokens vLLM's prefix cache supplied)."""
+    tokens, cached = [], []
+    for user in [None, *turns]:
+        if user is not None:
+            prompt = prompt + tokens[-1] + user
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        tokens.append(list(out.outputs[0].token_ids))
+        cached.append(out.num_cached_tokens)
+    return {"tokens": tokens, "cached": cached, "spec": _counters(llm)}
 
 
 def _close(llm) -> None:
