@@ -65,7 +65,8 @@ def register() -> None:
     patch_runner()
 
     if current_platform.is_cpu():
-        from stree.vllm.cpu_spec import patch_cpu_expand, patch_cpu_prefix_caching, patch_cpu_spec_ops
+        from stree.vllm.cpu_prefix_cache import patch_cpu_prefix_caching
+        from stree.vllm.cpu_spec import patch_cpu_expand, patch_cpu_spec_ops
 
         patch_cpu_spec_ops()
         patch_cpu_prefix_caching()

@@ -1,7 +1,7 @@
 """MambaInLlama checkpoints (the shipped pair) run in vLLM without speculation: greedy tokens equal
 the model's own decoding in stree (plain PyTorch, ``method="ar"``) token for token, four concurrent
 requests of different lengths (one of 300 tokens: with vLLM's default Mamba prefix caching that
-prompt crashed the CPU build's prefill, which the plugin avoids, see stree/vllm/cpu_spec.py).
+prompt crashed the CPU build's prefill, which the plugin fixes, see stree/vllm/cpu_prefix_cache.py).
 One engine per model."""
 import pytest
 import torch

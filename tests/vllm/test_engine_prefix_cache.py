@@ -9,7 +9,7 @@ the state after 128 tokens that turn 1's prefill stored, turn 3 after 256 from t
 greedy output equals the output with prefix caching off. One child process per target, its
 engines one after another. A retention that caches inside decode steps is refused with stree's
 trees. Without an engine: the CPU wrappers that make this run
-(stree.vllm.cpu_spec): the prefill's per-chunk states, and the block copies of a speculative
+(stree.vllm.cpu_prefix_cache): the prefill's per-chunk states, and the block copies of a speculative
 step."""
 import pytest
 import torch
@@ -77,7 +77,7 @@ def test_chunk_states_are_the_states_after_each_chunk():
     (up to rounding: measured 4e-6)."""
     from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen as scan
 
-    from stree.vllm.cpu_spec import chunk_states
+    from stree.vllm.cpu_prefix_cache import chunk_states
 
     g = torch.Generator().manual_seed(0)
     h, p, n, groups = 4, 8, 16, 2
@@ -117,7 +117,7 @@ def test_align_moves_copy_the_boundary_state_its_block_holds():
     """The decisions of vLLM's align postprocess (:func:`align_moves`), block size 16: a step
     whose accepted tokens reach a boundary copies the state at that boundary (table column
     ``boundary - running``) to the boundary's block; a step short of one copies nothing."""
-    from stree.vllm.cpu_spec import align_moves
+    from stree.vllm.cpu_prefix_cache import align_moves
 
     # running: tokens through the step's root; state column t holds the state after running + t
     moves, accepted = align_moves(num_accepted=[4, 2, 4, 1], state_cols=[1, 1, 2, 0], running=[15, 14, 32, 16],
