@@ -82,7 +82,7 @@ def _engine(args) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(args.child)
-    llm = LLM(model=spec["target"], dtype="float32", enforce_eager=spec["enforce_eager"], max_model_len=1024,
+    llm = LLM(model=spec["target"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"], max_model_len=1024,
               max_num_seqs=4, seed=0, kv_cache_memory_bytes=1 << 29, disable_log_stats=False,
               speculative_config=spec["speculative_config"])
 
@@ -127,7 +127,7 @@ def _run_method(args, env, prompts, method) -> list[dict]:
     all_cells = [[t, b] for t in args.temperatures for b in args.batches]
     cells = []
     for group in ([[c] for c in all_cells] if _reads_outputs(spec_config) else [all_cells]):
-        child = dict(target=args.target, speculative_config=spec_config, prompts=prompts,
+        child = dict(target=args.target, dtype=args.dtype, speculative_config=spec_config, prompts=prompts,
                      enforce_eager=args.enforce_eager, cells=group, max_new_tokens=args.max_new_tokens)
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], env=env,
                               capture_output=True, text=True)
@@ -174,6 +174,8 @@ def main(argv=None) -> int:
                         help="run every method this many times in turn, each round against its own vLLM "
                              "decoding, and print each cell's median speedup (the machine drifts between runs)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (no torch.compile)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the target's dtype (bfloat16 for Gated DeltaNet targets: vLLM's CPU GDN op runs no other)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
     from _common import metadata, result_stem, write_rows
     from stree.prompts import load_prompts
 
-    meta = metadata("cpu")
+    meta = dict(metadata("cpu"), target=args.target, draft=args.draft, target_dtype=args.dtype)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rows = []
     for round_ in range(args.rounds):

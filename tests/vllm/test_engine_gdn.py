@@ -1,9 +1,11 @@
 """Gated DeltaNet targets inside vLLM with ``method: "stree"`` (stree.vllm.gated_delta): tiny random
-Qwen3.5 and Qwen3-Next checkpoints (bf16: vLLM's CPU GDN op runs nothing else), four concurrent
-requests of different lengths (prefills beside trees, steps where a suffix tree proposes nothing,
-one request with a repetition penalty, which vLLM verifies itself), greedy output against vLLM's
-own decoding of the same target: suffix trees with no draft model, a draft's trees (a MambaInLlama
-draft of the same vocabulary), merged trees, eager and compiled. All engines in one child process.
+Qwen3.5, Qwen3-Next and Qwen3.5-MoE checkpoints (bf16: vLLM's CPU GDN op runs nothing else), four
+concurrent requests of different lengths (prefills beside trees, steps where a suffix tree
+proposes nothing, one request with a repetition penalty, which vLLM verifies itself), greedy
+output against vLLM's own decoding of the same target: suffix trees with no draft model, a
+draft's trees (a MambaInLlama draft of the same vocabulary), merged trees, eager and compiled,
+aborts. All engines in one child process. Sampled trees at T = 1 against the exact distribution:
+a chi-square test, with a control that fails.
 
 The tree rows compute the rule in fp32 from vLLM's bf16 inputs and state, vLLM's own op in bf16, so
 a token may differ where the two are within bf16 rounding of a tie: each difference must be a
@@ -29,6 +31,7 @@ LATE = [[40, 41, 42, 43] * 5, list(range(20, 58))]
 NEAR_TIE = 0.1
 SPECS = {"suffix": ({"tree": "suffix:16"}, {}), "merged": ({"draft": True, "tree": "caterpillar:2,2+suffix:16"}, {}),
          "draft-compiled": ({"draft": True, "tree": "caterpillar:2,2"}, {"enforce_eager": False})}
+OTHERS = ("qwen3_next", "qwen3_5_moe")  # the other targets: suffix trees
 
 
 def test_torchvision_imports_without_its_cpp_ops():
@@ -44,9 +47,10 @@ def test_torchvision_imports_without_its_cpp_ops():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gdn")
-    targets = {"qwen3_5": gdn.qwen3_5(root / "qwen3_5"), "qwen3_next": gdn.qwen3_next(root / "qwen3_next")}
+    targets = {"qwen3_5": gdn.qwen3_5(root / "qwen3_5"), "qwen3_next": gdn.qwen3_next(root / "qwen3_next"),
+               "qwen3_5_moe": gdn.qwen3_5_moe(root / "qwen3_5_moe")}
     draft = drafts.unrelated(gdn.VOCAB, str(root / "draft"))
-    plan = [(name, None) for name in targets] + [("qwen3_5", s) for s in SPECS] + [("qwen3_next", "suffix")]
+    plan = [(name, None) for name in targets] + [("qwen3_5", s) for s in SPECS] + [(t, "suffix") for t in OTHERS]
     specs = []
     for name, spec in plan:
         args = {"model": targets[name], "skip_tokenizer_init": True, "dtype": "bfloat16"}
@@ -91,7 +95,7 @@ def _differences_are_near_ties(target: str, own: list[list[int]], tree: list[lis
     return differing
 
 
-@pytest.mark.parametrize("target, spec", [("qwen3_5", s) for s in SPECS] + [("qwen3_next", "suffix")])
+@pytest.mark.parametrize("target, spec", [("qwen3_5", s) for s in SPECS] + [(t, "suffix") for t in OTHERS])
 def test_stree_equals_vllm_greedy_up_to_bf16_near_ties(runs, target, spec):
     targets, out = runs
     own, tree = out[target, None], out[target, spec]

@@ -20,25 +20,28 @@ def _run(spec: dict, **engine_kwargs) -> dict:
                                      "prompts": PROMPTS, "sampling": GREEDY}))
 
 
-@pytest.mark.parametrize("spec", [SUFFIX, MERGED], ids=["suffix", "merged"])
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+@pytest.mark.parametrize("spec, eager", [(SUFFIX, True), (MERGED, True), (MERGED, False)],
+                         ids=["suffix-eager", "merged-eager", "merged-compiled"])
 def test_equals_own_greedy(reference, spec, eager):
     """Four concurrent requests of different lengths, 64 tokens: the suffix tree drafts where the
-    text repeats and proposes nothing elsewhere (zero-draft steps), and the output is exact."""
+    text repeats and proposes nothing elsewhere (zero-draft steps), and the output is exact.
+    Compiled once, with the draft (its levels compiled too; a compiled engine costs minutes on
+    this CPU: the solo test below and tests/vllm/test_engine_compiled.py run compiled too)."""
     out = _run(spec, enforce_eager=eager)
     assert out["tokens"] == reference
     s = out["spec"]
     assert 0 < s["vllm:spec_decode_num_accepted_tokens"] < s["vllm:spec_decode_num_draft_tokens"]
 
 
-@pytest.mark.parametrize("spec", [{**MERGED, "tree": MERGED["tree"] + ":solo=2"},
-                                  {k: v for k, v in MERGED.items() if k != "tree"}],
-                         ids=["solo=2", "default"])
-def test_solo_merged_equals_own_greedy(reference, spec):
-    """``caterpillar:2,2,2+suffix:16:solo=2``, and a CPU's default tree with a draft (``solo=4``),
-    compiled: a request whose suffix tree scores ``solo`` drafts it alone, in a draft call of its
-    own beside the others' (the draft model left behind until it next runs); the output is exact."""
-    out = _run(spec, enforce_eager=False)
+@pytest.mark.parametrize("spec, eager", [({**MERGED, "tree": MERGED["tree"] + ":solo=2"}, True),
+                                         ({k: v for k, v in MERGED.items() if k != "tree"}, False)],
+                         ids=["solo=2-eager", "default-compiled"])
+def test_solo_merged_equals_own_greedy(reference, spec, eager):
+    """``caterpillar:2,2,2+suffix:16:solo=2`` (eager), and a CPU's default tree with a draft
+    (``solo=4``, compiled): a request whose suffix tree scores ``solo`` drafts it alone, in a draft
+    call of its own beside the others' (the draft model left behind until it next runs); the
+    output is exact."""
+    out = _run(spec, enforce_eager=eager)
     assert out["tokens"] == reference
     assert out["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
