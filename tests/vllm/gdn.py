@@ -48,3 +48,19 @@ def qwen3_5(directory, seed: int = 0, vocab: int = VOCAB, logit_scale: float = 1
         model.lm_head.weight.mul_(logit_scale)
     model.to(torch.bfloat16).save_pretrained(directory)
     return str(directory)
+
+
+def qwen3_5_moe(directory, seed: int = 0) -> str:
+    """A random bf16 ``Qwen3_5MoeForCausalLM`` checkpoint (text only, four tiny experts) in ``directory``."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    Qwen3_5MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return str(directory)

@@ -1,5 +1,5 @@
 """Gated DeltaNet targets inside vLLM with ``method: "stree"`` (stree.vllm.gated_delta): tiny random
-Qwen3.5 and Qwen3-Next checkpoints (bf16: vLLM's CPU GDN op runs nothing else), four
+Qwen3.5, Qwen3-Next and Qwen3.5-MoE checkpoints (bf16: vLLM's CPU GDN op runs nothing else), four
 concurrent requests of different lengths (prefills beside trees, steps where a suffix tree
 proposes nothing, one request with a repetition penalty, which vLLM verifies itself), greedy
 output against vLLM's own decoding of the same target: suffix trees with no draft model, a
@@ -31,7 +31,10 @@ LATE = [[40, 41, 42, 43] * 5, list(range(20, 58))]
 NEAR_TIE = 0.1
 SPECS = {"suffix": ({"tree": "suffix:16"}, {}), "merged": ({"draft": True, "tree": "caterpillar:2,2+suffix:16"}, {}),
          "draft-compiled": ({"draft": True, "tree": "caterpillar:2,2"}, {"enforce_eager": False})}
-OTHERS = ("qwen3_next",)  # the other targets: suffix trees
+OTHERS = ("qwen3_next", "qwen3_5_moe")  # the other targets: suffix trees
+# requests whose first difference from vLLM's own decoding may come at an fp32 near-tie: on the MoE
+# target two of four did (its bf16 router adds ties of its own), elsewhere at most one
+DIFFERING = {"qwen3_5_moe": 2}
 
 
 def test_torchvision_imports_without_its_cpp_ops():
@@ -47,7 +50,8 @@ def test_torchvision_imports_without_its_cpp_ops():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gdn")
-    targets = {"qwen3_5": gdn.qwen3_5(root / "qwen3_5"), "qwen3_next": gdn.qwen3_next(root / "qwen3_next")}
+    targets = {"qwen3_5": gdn.qwen3_5(root / "qwen3_5"), "qwen3_next": gdn.qwen3_next(root / "qwen3_next"),
+               "qwen3_5_moe": gdn.qwen3_5_moe(root / "qwen3_5_moe")}
     draft = drafts.unrelated(gdn.VOCAB, str(root / "draft"))
     plan = [(name, None) for name in targets] + [("qwen3_5", s) for s in SPECS] + [(t, "suffix") for t in OTHERS]
     specs = []
@@ -98,7 +102,7 @@ def _differences_are_near_ties(target: str, own: list[list[int]], tree: list[lis
 def test_stree_equals_vllm_greedy_up_to_bf16_near_ties(runs, target, spec):
     targets, out = runs
     own, tree = out[target, None], out[target, spec]
-    assert _differences_are_near_ties(targets[target], own["tokens"], tree["tokens"]) <= 1
+    assert _differences_are_near_ties(targets[target], own["tokens"], tree["tokens"]) <= DIFFERING.get(target, 1)
     s = tree["spec"]
     assert s["vllm:spec_decode_num_drafts"] > 0 and s["vllm:spec_decode_num_accepted_tokens"] > 0
 
