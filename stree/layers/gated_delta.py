@@ -58,7 +58,7 @@ def allocate(m, batch_size: int, dtype=None) -> MambaLayerCache:
                                  m.head_v_dim, dtype=dtype or w.dtype, device=w.device, state_dtype=F32)
 
 
-def _qkv(m, k: dict, conv_out):
+def qkv(m, k: dict, conv_out):
     """Post-conv channels -> ``q`` (normalised, scaled), ``k`` (normalised) with one head per value
     head, in fp32 (where the family's rule computes them), and ``v``."""
     q, key, v = m.split_qkv(conv_out)
@@ -84,7 +84,7 @@ def tree_forward(m, u, state: MambaLayerCache, tables: dict, impl: str = "auto",
     xbc, g, beta, gate = m.project(u)
     conv_out = tree_conv(xbc, state.conv_state, k["conv_weight"], k["conv_bias"], tables["window"],
                          activation="silu", impl=impl, gather_index=tables["gather"])
-    q, key, v = _qkv(m, k, conv_out)
+    q, key, v = qkv(m, k, conv_out)
     o, uu, G = tree_delta(q, key, v, g, beta, tables["mask"], state.ssm_state, impl=impl)
     return m.finish(o, gate), DeltaActivations(xbc=xbc, k=key, u=uu, G=G)
 
@@ -100,7 +100,7 @@ def prefill(m, u, state: MambaLayerCache):
     ext = torch.cat([conv_state[:, :, 1:].to(xbc.dtype), xbc.transpose(1, 2)], dim=2)  # (b, c, w-1+l)
     conv_out = F.silu(F.conv1d(ext, m.conv1d.weight.to(xbc.dtype), m.conv1d.bias, groups=c)).transpose(1, 2)
     conv_state.copy_(torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=2)[:, :, -w:])
-    q, key, v = _qkv(m, k, conv_out)
+    q, key, v = qkv(m, k, conv_out)
     o, final = chunk_delta(q, key, v, g, beta, state.ssm_state)
     state.ssm_state.copy_(final)
     return m.finish(o, gate)
@@ -128,7 +128,7 @@ def node_step(m, u, conv, ssm, k: dict | None = None, valid=None):
         conv_out = (new_conv.to(F32) * weight).sum(-1)
         if k["conv_bias"] is not None:
             conv_out = conv_out + k["conv_bias"].to(F32)
-        q, key, v = _qkv(m, k, F.silu(conv_out).to(xbc.dtype))  # (N, H, dk), (N, H, dv)
+        q, key, v = qkv(m, k, F.silu(conv_out).to(xbc.dtype))  # (N, H, dk), (N, H, dv)
         decay = g[:, t].exp()  # (N, H) or (N, H, dk)
         s = ssm.to(F32) * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         delta = (v.to(F32) - (s * key[..., None]).sum(-2)) * beta[:, t].to(F32)[..., None]

@@ -17,41 +17,37 @@ import torch.nn.functional as F
 
 from stree.kernels.replay import delta_replay, path_tables
 from stree.kernels.tree_conv import tree_conv
+from stree.hf.gated_delta import DeltaView, l2norm
 from stree.kernels.tree_delta import tree_delta
+from stree.layers.gated_delta import qkv
 from stree.vllm.cpu_spec import conv_windows, start_slots
 from stree.vllm.step import RecurrentRows, TreeGroup, TreeStep, template
-
-F32 = torch.float32
 
 
 @dataclass
 class DeltaShape:
-    """A layer's sizes on this rank: key heads, value heads, their widths, and the post-conv
-    ``[q, k, v]`` split."""
+    """A vLLM Gated DeltaNet layer ``m`` (its ``A_log``, ``dt_bias``) and its sizes on this rank,
+    seen as stree's transformers adapters see a layer, so that the split, normalisation and
+    gates are theirs (:class:`stree.hf.gated_delta.DeltaView`, :func:`stree.layers.gated_delta.qkv`)."""
 
-    k_heads: int
-    v_heads: int
-    dk: int
-    dv: int
+    m: object
+    num_heads: int
+    num_k_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    split_qkv = DeltaView.split_qkv
+    decay = DeltaView.decay
+    l2norm = staticmethod(l2norm)
 
     def split(self, conv: torch.Tensor):
-        """``conv (..., 2 * Hk * dk + Hv * dv)`` -> ``q``, ``k`` ``(..., Hv, dk)`` fp32, L2-normalised
-        (q also scaled by ``dk ** -0.5``), each key head repeated for its value heads, and ``v
-        (..., Hv, dv)``."""
-        kd = self.k_heads * self.dk
-        q, k, v = conv.split([kd, kd, self.v_heads * self.dv], dim=-1)
-        qk = torch.stack([q, k]).to(F32).unflatten(-1, (self.k_heads, self.dk))
-        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
-        if self.v_heads > self.k_heads:
-            qk = qk.repeat_interleave(self.v_heads // self.k_heads, dim=-2)
-        return qk[0] * self.dk ** -0.5, qk[1], v.unflatten(-1, (self.v_heads, self.dv))
+        """``conv (..., conv_dim)`` -> ``q`` (normalised, scaled), ``k`` (normalised) ``(..., Hv,
+        dk)`` fp32, one head per value head, and ``v (..., Hv, dv)``."""
+        return qkv(self, {"groups": self.num_heads // self.num_k_heads, "scale": self.head_k_dim ** -0.5}, conv)
 
-
-def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """Gated DeltaNet's per-head log-decay ``g = -exp(A_log) softplus(a + dt_bias)`` and write
-    strength ``beta = sigmoid(b)``, fp32 (``a``, ``b``: ``(..., Hv)``)."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
+    def gates(self, a: torch.Tensor, b: torch.Tensor):
+        """The per-head log-decay ``g`` and write strength ``beta = sigmoid(b)``, fp32."""
+        return self.decay(a), b.float().sigmoid()
 
 
 @dataclass
@@ -78,7 +74,7 @@ class DeltaKept:
         self.ssm_state[[slots[a] for slots, a in zip(self.slots, g.accepted())]] = state.to(self.ssm_state.dtype)
 
 
-def tree_delta_rows(shape: DeltaShape, conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log, dt_bias,
+def tree_delta_rows(shape: DeltaShape, conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     ssm_state: torch.Tensor, rows: RecurrentRows, step: TreeStep, out: torch.Tensor) -> None:
     """The rule over each tree of vLLM's decode rows, one call per tree shape: ``conv (tokens,
     conv_dim)`` the tree conv's output, ``a``, ``b`` ``(tokens, Hv)`` the gate projections,
@@ -87,7 +83,7 @@ def tree_delta_rows(shape: DeltaShape, conv: torch.Tensor, a: torch.Tensor, b: t
     for rg in rows.groups:
         grp = rg.group
         q, k, v = shape.split(grp.take(conv))
-        g, beta = gates(grp.take(a), grp.take(b), A_log, dt_bias)
+        g, beta = shape.gates(grp.take(a), grp.take(b))
         h0 = ssm_state[rg.start].float()
         o, u, G = tree_delta(q, k, v, g, beta, grp.tree(conv.device).mask, h0)
         grp.put(out, o.to(out.dtype))
@@ -96,7 +92,7 @@ def tree_delta_rows(shape: DeltaShape, conv: torch.Tensor, a: torch.Tensor, b: t
 
 def single_rows(shape: DeltaShape, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor,
                 table: torch.Tensor, accepted: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                bias, A_log, dt_bias, ssm_state: torch.Tensor, out: torch.Tensor) -> None:
+                bias, ssm_state: torch.Tensor, out: torch.Tensor) -> None:
     """Decode rows of one token (no drafts): the conv and the rule from the window and state the
     last step left (column and slot ``num_accepted - 1``), committed at once into column 0 and
     slot ``table[:, 0]`` (what vLLM reads after a one-token step). ``x (tokens, conv_dim)``
@@ -110,7 +106,7 @@ def single_rows(shape: DeltaShape, x: torch.Tensor, a: torch.Tensor, b: torch.Te
     conv = tree_conv(xs, F.pad(window, (1, 0)), weight, bias, tables["window"], activation="silu",
                      gather_index=tables["gather"])
     q, k, v = shape.split(conv)
-    g, beta = gates(a[tokens][:, None], b[tokens][:, None], A_log, dt_bias)
+    g, beta = shape.gates(a[tokens][:, None], b[tokens][:, None])
     h0 = ssm_state[start_slots(table, accepted)].float()
     o, u, G = tree_delta(q, k, v, g, beta, tables["mask"], h0)
     out[tokens] = o[:, 0].to(out.dtype)

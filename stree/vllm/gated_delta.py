@@ -41,7 +41,7 @@ class TreeQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         self.stree_speculation = getattr(self.speculative_config, "model", None) == PROPOSER
 
     def delta_shape(self) -> DeltaShape:
-        return DeltaShape(self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size, self.head_k_dim,
+        return DeltaShape(self, self.num_v_heads // self.tp_size, self.num_k_heads // self.tp_size, self.head_k_dim,
                           self.head_v_dim)
 
     def spec_rows(self, metadata, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor,
@@ -57,11 +57,10 @@ class TreeQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         shape = self.delta_shape()
         if spec.trees is not None:
             conv = tree_conv_rows(mixed_qkv, conv_state, weight, bias, "silu", spec.trees, spec.step)
-            tree_delta_rows(shape, conv, a, b, self.A_log, self.dt_bias, ssm_state, spec.trees, spec.step, out)
+            tree_delta_rows(shape, conv, a, b, ssm_state, spec.trees, spec.step, out)
         if spec.singles is not None:
             tokens, table, accepted = spec.singles
-            single_rows(shape, mixed_qkv, a, b, tokens, table, accepted, conv_state, weight, bias, self.A_log,
-                        self.dt_bias, ssm_state, out)
+            single_rows(shape, mixed_qkv, a, b, tokens, table, accepted, conv_state, weight, bias, ssm_state, out)
         if spec.rest_spec:  # requests vLLM verifies: its own path, the rows above masked out
             saved = metadata.spec_state_indices_tensor, metadata.num_accepted_tokens
             metadata.spec_state_indices_tensor, metadata.num_accepted_tokens = spec.masked

@@ -3,6 +3,8 @@ against the gated delta rule run token by token along each root-to-node path (wr
 commit against the same rule along the accepted path, in vLLM's state layouts; one-token rows run
 and committed at once. The requests of tests/vllm/test_trees.py: two trees of one shape and a
 chain."""
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,10 @@ def _layer(seed: int = 0):
     torch.manual_seed(seed)
     return dict(weight=torch.randn(DIM, WIDTH) * 0.5, bias=None, A_log=torch.randn(HV) * 0.5,
                 dt_bias=torch.randn(HV) * 0.5)
+
+
+def _shape(layer) -> DeltaShape:
+    return DeltaShape(SimpleNamespace(A_log=layer["A_log"], dt_bias=layer["dt_bias"]), HV, HK, DK, DV)
 
 
 def _rule(layer, window, S0, x, a, b, tokens):
@@ -51,7 +57,7 @@ def test_tree_rows_equal_each_path_as_a_sequence_and_commit_one_slot():
     rows = step.recurrent_rows(torch.tensor(STARTS + [TOKENS]), torch.tensor(slots), torch.tensor(accepted), -1)
     conv = tree_conv_rows(x, conv_state, layer["weight"], None, "silu", rows, step)
     out = torch.full((TOKENS, HV, DV), float("nan"))
-    tree_delta_rows(DeltaShape(HK, HV, DK, DV), conv, a, b, layer["A_log"], layer["dt_bias"], state, rows, step, out)
+    tree_delta_rows(_shape(layer), conv, a, b, state, rows, step, out)
     assert torch.equal(state, before) and torch.equal(conv_state, before_conv)  # nothing written
     for (parents, _), start, own, c, acc in zip(REQUESTS, STARTS, slots, conv_slots, accepted):
         window, S0 = before_conv[c, :, acc - 1:acc - 1 + WIDTH - 1], before[own[acc - 1]]
@@ -78,8 +84,7 @@ def test_one_token_rows_run_and_commit_at_once():
     x, a, b = torch.randn(5, DIM), torch.randn(5, HV), torch.randn(5, HV)
     tokens, table, accepted = torch.tensor([1, 3]), torch.tensor([[2, 5, 6, 7], [0, 8, 9, 10]]), torch.tensor([3, 1])
     out = torch.full((5, HV, DV), float("nan"))
-    single_rows(DeltaShape(HK, HV, DK, DV), x, a, b, tokens, table, accepted, conv_state, layer["weight"], None,
-                layer["A_log"], layer["dt_bias"], state, out)
+    single_rows(_shape(layer), x, a, b, tokens, table, accepted, conv_state, layer["weight"], None, state, out)
     for t, row, acc in zip(tokens.tolist(), table.tolist(), accepted.tolist()):
         window = before_conv[row[0], :, acc - 1:acc - 1 + WIDTH - 1]
         o, S = _rule(layer, window, before[row[acc - 1]], x, a, b, [t])

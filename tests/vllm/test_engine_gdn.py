@@ -32,9 +32,10 @@ NEAR_TIE = 0.1
 SPECS = {"suffix": ({"tree": "suffix:16"}, {}), "merged": ({"draft": True, "tree": "caterpillar:2,2+suffix:16"}, {}),
          "draft-compiled": ({"draft": True, "tree": "caterpillar:2,2"}, {"enforce_eager": False})}
 OTHERS = ("qwen3_next", "qwen3_5_moe")  # the other targets: suffix trees
-# requests whose first difference from vLLM's own decoding may come at an fp32 near-tie: on the MoE
-# target two of four did (its bf16 router adds ties of its own), elsewhere at most one
-DIFFERING = {"qwen3_5_moe": 2}
+# requests whose first difference from vLLM's own decoding may come at an fp32 near-tie: two of four
+# on the MoE target (its bf16 router adds ties of its own) and compiled (inductor's bf16 kernels
+# round otherwise than vLLM's eager decoding: one or two a run), elsewhere at most one
+DIFFERING = {("qwen3_5_moe", "suffix"): 2, ("qwen3_5", "draft-compiled"): 2}
 
 
 def test_torchvision_imports_without_its_cpp_ops():
@@ -102,7 +103,8 @@ def _differences_are_near_ties(target: str, own: list[list[int]], tree: list[lis
 def test_stree_equals_vllm_greedy_up_to_bf16_near_ties(runs, target, spec):
     targets, out = runs
     own, tree = out[target, None], out[target, spec]
-    assert _differences_are_near_ties(targets[target], own["tokens"], tree["tokens"]) <= DIFFERING.get(target, 1)
+    differing = _differences_are_near_ties(targets[target], own["tokens"], tree["tokens"])
+    assert differing <= DIFFERING.get((target, spec), 1)
     s = tree["spec"]
     assert s["vllm:spec_decode_num_drafts"] > 0 and s["vllm:spec_decode_num_accepted_tokens"] > 0
 
