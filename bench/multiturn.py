@@ -53,8 +53,14 @@ untimed, one warm-up request on another text): vLLM's own decoding (``vllm:ar``)
 ``method: "stree"`` with the merged tree (``vllm:stree-merged``), as rows of mode ``vllm-prefix``
 with vLLM's own ``num_cached_tokens`` and its request metrics (first-token latency from arrival,
 decoding from the first to the last token's engine timestamps). Their replies are compared with
-stree's (``exact``), not required to equal them. stree's plugin turns vLLM's prefix caching off
-for Mamba models on CPU, so there ``num_cached_tokens`` stays 0.
+stree's (``exact``), not required to equal them. vLLM caches a Mamba state at the block boundary
+before each prompt's last token (its default ``prefix_cache_retention_interval`` 0; stree's trees
+refuse other values), so a later turn also prefills the previous reply from that boundary on.
+
+Per turn that hits a cache, right after it and with the same method: the TTFT of a fresh prompt of
+only the tokens that turn prefilled, no cache (``fresh_ttft_s``; inside vLLM a request of those
+tokens alone, which no cached block begins): ``ttft_vs_fresh`` is what restoring costs on top of
+prefilling only the uncached tokens.
 
 It prints a markdown table and writes, under ``--out``, ``multiturn_{sets}_{device}_{date}.csv``
 / ``.json`` (one row per method, mode and turn index, and one over all turns, ``turn`` = "all")
@@ -302,8 +308,12 @@ class Runner:
                         prefix_cache=self.prefix_cache,
                         suffix_cache=self.suffix_cache if m.drafter and self.session is None else None)
 
-    def turn(self, target, draft, user: list[int], max_new_tokens: int, eos) -> tuple[list[int], dict]:
-        """Run one user turn; returns the reply and its measurements."""
+    def turn(self, target, draft, user: list[int], max_new_tokens: int, eos,
+             conversation: list[int] | None = None) -> tuple[list[int], dict]:
+        """Run one user turn; returns the reply and its measurements. ``conversation``: the whole
+        prompt of this turn (history and ``user``); where given and the turn hit a cache, the
+        reference TTFT of a fresh prompt of only the tokens the turn prefilled is measured too
+        (:meth:`_fresh_ttft`)."""
         from stree.limits import ContextLimitWarning
 
         device = _device(target)
@@ -332,12 +342,30 @@ class Runner:
         s = out.stats
         ttft = (clock.first - start) if clock.first is not None else None
         decode_s = (clock.last - clock.first) if clock.first is not None else 0.0
+        fresh = (self._fresh_ttft(target, draft, conversation[-prefilled:], eos)
+                 if conversation is not None and cached > 0 and prefilled > 0 else None)
         return reply, dict(
             prompt_tokens=prompt_len, input_tokens=len(user), cached_tokens=cached,
-            prefilled_tokens=prefilled, new_tokens=len(reply), ttft_s=ttft, decode_s=decode_s,
+            prefilled_tokens=prefilled, new_tokens=len(reply), ttft_s=ttft, fresh_ttft_s=fresh,
+            decode_s=decode_s,
             decode_tokens_per_s=(len(reply) - 1) / decode_s if len(reply) > 1 and decode_s > 0 else None,
             total_s=end - start, prefill_s=s.prefill_s, steps=s.steps, target_calls=s.target_calls,
             draft_calls=s.draft_calls, tau=s.tau if s.steps else None, drafter=s.drafter, verifier=s.verifier)
+
+
+    def _fresh_ttft(self, target, draft, tokens: list[int], eos) -> float | None:
+        """TTFT of the same method on a fresh prompt of ``tokens`` alone, no cache of any kind: what
+        prefilling only the tokens a cached turn had to prefill costs (run right after that turn,
+        on the same warm process, so the two compare)."""
+        from stree.generation import generate
+
+        m, clock = self.method, _Clock()
+        ids = torch.tensor(tokens, device=_device(target))
+        start = time.perf_counter()
+        generate(target, draft if m.drafter and m.draft_model else None, ids, 1, temperature=0.0,
+                 eos_token_id=eos, drafter=m.drafter, verifier=m.verifier, method=m.method,
+                 compile=m.compile, streamer=clock)
+        return clock.first - start if clock.first is not None else None
 
 
 def _device(model) -> torch.device:
@@ -375,8 +403,11 @@ def warm_up(runs: list[Runner], target, draft, conv: Conversation, eos) -> None:
     for r in runs:
         r.new_set()
         r.new_conversation()
+        history: list[int] = []
         for k, user in enumerate(conv.turns[:2]):
-            r.turn(target, draft, (conv.system if k == 0 else []) + user, WARMUP_TOKENS, eos)
+            ids = (conv.system if k == 0 else []) + user
+            reply, _ = r.turn(target, draft, ids, WARMUP_TOKENS, eos, history + ids)
+            history += ids + reply
 
 
 def benchmark(cfg: Config, target, draft, eos, encode, bos, meta):
@@ -402,7 +433,7 @@ def benchmark(cfg: Config, target, draft, eos, encode, bos, meta):
                 ids = (conv.system if k == 0 else []) + user
                 replies = {}
                 for r in runs:
-                    reply, m = r.turn(target, draft, ids, cfg.max_new_tokens, eos)
+                    reply, m = r.turn(target, draft, ids, cfg.max_new_tokens, eos, history + ids)
                     replies[r.label] = [reply]
                     rows.append(dict(meta, set=name, conversation=c, turn=k + 1, mode=r.mode,
                                      method=r.method.label, **m))
@@ -435,6 +466,8 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
     out = []
     for (method, mode, turn), rs in groups.items():
         ttfts = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
+        # turns that hit a cache, beside the fresh prefill of what they prefilled (measured right after)
+        hits = [r for r in rs if r.get("fresh_ttft_s") and r["ttft_s"] is not None]
         decoded = sum(r["new_tokens"] - 1 for r in rs if r["new_tokens"] > 1)
         decode_s = sum(r["decode_s"] for r in rs if r["new_tokens"] > 1)
         prompt, cached = sum(r["prompt_tokens"] for r in rs), sum(r["cached_tokens"] for r in rs)
@@ -445,6 +478,9 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
                         prefilled_tokens=sum(r["prefilled_tokens"] for r in rs) / len(rs),
                         new_tokens=sum(r["new_tokens"] for r in rs),
                         ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+                        fresh_ttft_s=sum(r["fresh_ttft_s"] for r in hits) / len(hits) if hits else None,
+                        ttft_vs_fresh=(sum(r["ttft_s"] for r in hits) / sum(r["fresh_ttft_s"] for r in hits)
+                                       if hits else None),
                         decode_tokens_per_s=decoded / decode_s if decode_s > 0 else None,
                         total_s=sum(r["total_s"] for r in rs),
                         tau=sum(r["new_tokens"] - 1 for r in rs) / steps if steps else None,
@@ -461,18 +497,19 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
 def markdown_table(summary: list[dict]) -> str:
     """One line per (method, mode): TTFT and cached tokens per turn, overall TTFT and decoding speed."""
     lines = ["| method | cache | TTFT ms, turn 1 / 2 / ... | cached / prompt tokens, turn 1 / 2 / ... | "
-             "mean TTFT ms | vs no cache | decode tok/s |",
-             "|---|---|---|---|---:|---:|---:|"]
+             "mean TTFT ms | vs no cache | hits vs fresh prefill | decode tok/s |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
     keys = list(dict.fromkeys((r["method"], r["mode"]) for r in summary))
     for method, mode in keys:
         per_turn = [r for r in summary if (r["method"], r["mode"]) == (method, mode) and r["turn"] != "all"]
         (total,) = [r for r in summary if (r["method"], r["mode"], r["turn"]) == (method, mode, "all")]
-        speedup = total["ttft_speedup_vs_none"]
+        speedup, fresh = total["ttft_speedup_vs_none"], total["ttft_vs_fresh"]
         decode = total["decode_tokens_per_s"]
         ttfts = " / ".join(_ms(r["ttft_s"]) for r in per_turn)
         cached = " / ".join(f"{r['cached_tokens']:.0f}/{r['prompt_tokens']:.0f}" for r in per_turn)
         lines.append(f"| {method} | {mode} | {ttfts} | {cached} | {_ms(total['ttft_s'])} | "
-                     f"{f'{speedup:.2f}x' if speedup else '-'} | {f'{decode:.1f}' if decode else '-'} |")
+                     f"{f'{speedup:.2f}x' if speedup else '-'} | {f'{fresh:.2f}x' if fresh else '-'} | "
+                     f"{f'{decode:.1f}' if decode else '-'} |")
     return "\n".join(lines)
 
 
@@ -494,7 +531,9 @@ def _vllm_engine(spec: dict) -> None:
               enable_prefix_caching=True, disable_log_stats=False,
               speculative_config=spec["speculative_config"])
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
+    one = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([VLLM_WARM_UP], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    llm.generate([VLLM_WARM_UP + " that"], one, use_tqdm=False)
     results = []
     for ids in spec["prompts"]:
         start = time.perf_counter()
@@ -503,8 +542,12 @@ def _vllm_engine(spec: dict) -> None:
         m = out.metrics
         first = getattr(m, "first_token_latency", None) if m is not None else None
         decode = (m.last_token_ts - m.first_token_ts) if m is not None and m.first_token_ts else None
+        fresh = None
+        if out.num_cached_tokens:  # the reference: a fresh prompt of only what this turn prefilled
+            (ref,) = llm.generate([{"prompt_token_ids": ids[out.num_cached_tokens:]}], one, use_tqdm=False)
+            fresh = getattr(ref.metrics, "first_token_latency", None) if ref.metrics is not None else None
         results.append(dict(tokens=list(out.outputs[0].token_ids), cached=out.num_cached_tokens,
-                            ttft_s=first or None, decode_s=decode, total_s=total))
+                            ttft_s=first or None, fresh_ttft_s=fresh, decode_s=decode, total_s=total))
     print("MULTITURN-VLLM " + json.dumps(results), flush=True)
 
 
@@ -531,7 +574,7 @@ def run_vllm(cfg: Config, replayed, meta) -> list[dict]:
             rows.append(dict(meta, set=name, conversation=c, turn=k, mode="vllm-prefix", method=label,
                              prompt_tokens=len(prompt), input_tokens=None, cached_tokens=res["cached"] or 0,
                              prefilled_tokens=len(prompt) - (res["cached"] or 0), new_tokens=n,
-                             ttft_s=res["ttft_s"], decode_s=decode_s,
+                             ttft_s=res["ttft_s"], fresh_ttft_s=res["fresh_ttft_s"], decode_s=decode_s,
                              decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                              total_s=res["total_s"], prefill_s=None, steps=0, target_calls=None,
                              draft_calls=None, tau=None, drafter=None, verifier=None,

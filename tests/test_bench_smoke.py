@@ -250,11 +250,14 @@ def test_multiturn_smoke(tmp_path):
     assert [(r["method"], r["mode"], r["turn"]) for r in summary if r["turn"] == "all"] == [
         (m, mode, "all") for m, mode in configs]
     assert all(r["identical"] and r["ttft_s"] > 0 for r in summary)
+    assert all((r["ttft_vs_fresh"] is not None) == (r["mode"] != "none") for r in summary if r["turn"] == "all")
     turns = read_rows(out, "multiturn_*_per_prompt.csv.gz")
     assert len(turns) == 2 * 2 * 3 * len(configs)
     for r in turns:
         cached, prompt, turn = int(r["cached_tokens"]), int(r["prompt_tokens"]), int(r["turn"])
         assert int(r["prefilled_tokens"]) == prompt - cached and float(r["ttft_s"]) > 0
+        # a hit is timed beside a fresh prefill of what it prefilled; a miss has nothing to compare
+        assert (r["fresh_ttft_s"] not in ("", None)) == (cached > 0)
         if r["mode"] == "none":
             assert cached == 0
         elif turn > 1:  # the conversation so far, but the reply's last token or few
