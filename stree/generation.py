@@ -398,7 +398,8 @@ class _DraftSide:
         if self.model is None:
             return
         ran = self.drafter.ran
-        if not (self.drafter.reads_context or self.takes_lead):  # the draft model runs the whole path
+        # the draft model runs the whole path, unless it did not run this step (``auto`` off)
+        if not (self.drafter.reads_context or self.takes_lead or self.drafter.num_forwarded == 0):
             last_nodes = [row[c - 1] if c else -1 for row, c in zip(nodes, counts)]
             if commit_draft(self.model, self.cache, tree, path, counts, last_nodes, ran):
                 return
@@ -410,8 +411,8 @@ class _DraftSide:
             steps = torch.arange(path.shape[1], device=path.device).expand_as(path)
             self.cache.commit(torch.where(path >= 0, steps, -1), counts)
             return
-        # Suffix and merged trees, drafts that take a lead: commit the part of each row's path
-        # the draft ran, keep the rest for the next lead or catch-up.
+        # Suffix and merged trees, drafts that take a lead, steps without a draft: commit the
+        # part of each row's path the draft ran, keep the rest for the next lead or catch-up.
         runs = [next((j for j, u in enumerate(row[:c]) if not ran(u)), c) for row, c in zip(nodes, counts)]
         if any(runs):
             cols = torch.arange(path.shape[1], device=path.device)
@@ -439,7 +440,7 @@ class _DraftSide:
         """Prefill every row's backlog (the tokens committed since the draft last ran)."""
         rows = self.backlog
         device = self.cache.lengths.device
-        if len({len(r) for r in rows}) == 1:
+        if len({len(r) for r in rows}) == 1 and len(set(self.cache.seqlens)) == 1:  # one (b, l) prefill
             self.model.prefill(torch.tensor(rows, device=device), self.cache, logits=False)
         else:
             self.cache.reserve([len(r) for r in rows])  # grow once, before the row views
