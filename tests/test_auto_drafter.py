@@ -12,8 +12,8 @@ from scipy.stats import chisquare
 
 from stree.costmodel import ForwardCost, forward_cost
 from stree.draft import parse_drafter
-from stree.draft.auto import (SUFFIX_CANDIDATES, CPU_CANDIDATES, DEFAULT_CANDIDATES, AcceptanceProfile, AutoDrafter,
-                              AutoMemory, Ratio, best_tree, expected_tau, forget, level_widths)
+from stree.draft.auto import (OFF, SUFFIX_CANDIDATES, CPU_CANDIDATES, DEFAULT_CANDIDATES, AcceptanceProfile,
+                              AutoDrafter, AutoMemory, Ratio, best_tree, expected_tau, forget, level_widths)
 from stree.generation import default_drafter, generate, resolve
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
@@ -390,10 +390,11 @@ def test_compile_refuses_auto_with_dynamic_candidates():
 def test_auto_candidates_follow_the_device():
     """Off CUDA auto picks among shapes whose draft runs one node per level (a level of w nodes
     costs w draft steps there); on CUDA among every default candidate, wide trees included;
-    then suffix trees alone and merged with the draft's; without a draft model, suffix trees."""
+    then suffix trees alone and merged with the draft's; without a draft model, suffix trees;
+    last, no draft at all."""
     cpu, gpu = parse_drafter("auto", "cpu"), parse_drafter("auto", torch.device("cuda"))
-    assert cpu.candidates == CPU_CANDIDATES + SUFFIX_CANDIDATES["cpu"]
-    assert gpu.candidates == DEFAULT_CANDIDATES + SUFFIX_CANDIDATES["cuda"]
+    assert cpu.candidates == CPU_CANDIDATES + SUFFIX_CANDIDATES["cpu"] + (OFF,)
+    assert gpu.candidates == DEFAULT_CANDIDATES + SUFFIX_CANDIDATES["cuda"] + (OFF,)
     assert set(CPU_CANDIDATES) < set(DEFAULT_CANDIDATES)
     for spec in CPU_CANDIDATES:
         assert all(w == 1 for w in level_widths(parse_drafter(spec).parents)), spec
@@ -402,7 +403,7 @@ def test_auto_candidates_follow_the_device():
     drafter, _ = resolve("tree", "auto", None, SamplingConfig(), device="cpu")
     assert drafter.candidates == cpu.candidates and drafter.uses_draft_model
     alone, _ = resolve("tree", "auto", None, SamplingConfig(), device="cpu", draft_model=False)
-    assert alone.candidates == ("suffix:16",) and not alone.uses_draft_model
+    assert alone.candidates == ("suffix:16", OFF) and not alone.uses_draft_model
     # each starts from the device's default tree
     assert cpu.candidates[0] == default_drafter("tree", "cpu")
     assert gpu.candidates[0] == default_drafter("tree", "cuda")
@@ -436,3 +437,100 @@ def test_warmup_at_t_above_zero_runs_each_modes_first_candidate():
     assert seen == ["caterpillar:2,2"] * 2 + ["chain:3"] * 2
     auto.by_mode = False  # one pooled profile (T = 0): the first candidate only
     assert auto._warmup_order() == ["caterpillar:2,2"]
+
+
+# ------------------------------------------------------------------------------------ "off"
+def test_off_wins_where_no_draft_pays_and_probes_at_doubling_intervals():
+    """A draft that is never accepted and costs half a target step: auto runs the model's own
+    one-token step (off), and probes the draft after 4, 8, 16, ... off steps (at most
+    ``max_probe``); once a probe shows the draft accepted, it drafts and the interval resets."""
+    auto = AutoDrafter(("chain:4", OFF), ForwardCost(0.0, 1e-3, 1e-2), draft_cost=ForwardCost(0.0, 0.0, 5e-3),
+                       memory=memory([0.01]), probe=4, max_probe=16)
+    seen = []
+    for _ in range(60):
+        auto.memory.current = auto.choose()
+        seen.append(auto.memory.current)
+    runs = "".join("-" if s == OFF else "c" for s in seen).split("c")
+    assert seen[0] == OFF and [len(r) for r in runs[:4]] == [4, 8, 16, 16]
+    assert auto.model(OFF) == (1.0, pytest.approx(1.1e-2))
+    auto.memory, auto._probs = memory([0.9]), {}  # the text turned predictable: the next probe stays on
+    auto.memory.current, auto.memory.idle, auto.memory.probe_every = OFF, 16, 16
+    assert auto.choose() == "chain:4"
+    auto.memory.current = "chain:4"
+    assert auto.choose() == "chain:4" and (auto.memory.idle, auto.memory.probe_every) == (0, 0)
+
+
+def test_off_is_not_chosen_where_the_draft_pays():
+    auto = AutoDrafter(("chain:4", OFF), ForwardCost(0.0, 1e-3, 1e-2), memory=memory([0.8]), **COSTS)
+    assert auto.choose() == "chain:4"
+
+
+class TimedLM(FakeLM):
+    """A FakeLM whose calls advance a fake clock (shared by a model pair) by ``cost`` of the
+    tokens they run: auto then measures the step times its cost model predicts."""
+
+    def __init__(self, clock: list[float], cost: ForwardCost, **kwargs):
+        super().__init__(**kwargs)
+        self.clock, self.cost = clock, cost
+
+    def tree_forward(self, tree, cache):
+        self.clock[0] += self.cost(tree.num_nodes)
+        return super().tree_forward(tree, cache)
+
+    def prefill(self, input_ids, cache, logits=True):
+        if not isinstance(input_ids, (list, tuple)):  # (ragged rows come back here one by one)
+            self.clock[0] += self.cost(input_ids.shape[1])
+        return super().prefill(input_ids, cache, logits)
+
+
+@pytest.mark.parametrize("max_probe", [8, 32], ids=["short-backlogs", "backlogs-past-MAX_LEAD"])
+def test_off_steps_run_no_draft_and_greedy_output_stays_exact(monkeypatch, max_probe):
+    """A draft of another language (never agrees but by chance): auto goes off and stays off
+    but for its probes. No draft-model call happens on an off step (the tokens it missed are
+    prefilled when a probe next drafts, past ``MAX_LEAD`` too), and every row is the target's
+    greedy decoding."""
+    clock = [0.0]
+    target_cost, draft_cost = ForwardCost(0.0, 1e-3, 1e-2), ForwardCost(0.0, 1e-4, 4e-3)
+    target = TimedLM(clock, target_cost, vocab_size=23)
+    draft = TimedLM(clock, draft_cost, vocab_size=23, seed=7)
+    auto = AutoDrafter(("chain:4", OFF), target_cost, draft_cost, warmup=4, probe=2, max_probe=max_probe,
+                       remember=False, clock=lambda: clock[0])
+    marks, choose = [], AutoDrafter.choose  # each step's choice and the draft's calls before it
+    monkeypatch.setattr(AutoDrafter, "choose",
+                        lambda self: marks.append((choose(self), len(draft.calls))) or marks[-1][0])
+    prompts = [torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.tensor([9, 4]), torch.tensor([3]),
+               torch.tensor([8, 8, 1, 2])]
+    out = generate(target, draft, prompts, 150, drafter=auto)
+    assert [out.sequences[i, len(p):out.lengths[i]].tolist() for i, p in enumerate(prompts)] == \
+        [greedy_reference(target, p, 150) for p in prompts]
+    ends = [n for _, n in marks[1:]] + [len(draft.calls)]
+    assert all(end == n for (spec, n), end in zip(marks, ends) if spec == OFF)  # no draft call
+    choices = [spec for spec, _ in marks]
+    assert choices[:4] == ["chain:4"] * 4 and choices.count(OFF) > 0.8 * len(choices)
+    off_runs = [len(r) for r in "".join("-" if s == OFF else "c" for s in choices).split("c") if r]
+    assert max(off_runs) == max_probe and sum(off_runs) == choices.count(OFF)
+    assert auto.memory.chosen == {spec: choices.count(spec) for spec in set(choices)}
+    catch_ups = [c for c in draft.calls[1:] if c.kind == "prefill"]  # after the prompts' prefill
+    assert catch_ups and max(c.tokens.shape[1] for c in catch_ups) == max_probe
+
+
+@pytest.mark.parametrize("candidates", [("chain:2", OFF), ("caterpillar:2,2", OFF)], ids=["chain", "tree"])
+def test_sampled_auto_with_off_steps_is_lossless(candidates):
+    """T = 1, 3000 rows in one batch: the first step is off (the model's own step), the second
+    a probe of the draft after that step (caught up first, verified by ASpS or MSS). The joint
+    distribution of the first three new tokens is the target's (chi-square); the draft's own
+    distribution, the control, fails the same test."""
+    v, rows = 5, 3000
+    target, draft = FakeLM(vocab_size=v, scale=1.0), FakeLM(vocab_size=v, scale=1.0, noise=0.8)
+    prompt = torch.tensor([1, 2])
+    clock = itertools.count(0.0, 0.01)
+    auto = AutoDrafter(candidates, ForwardCost(0, 1e-4, 1e-2), ForwardCost(0.0, 0.0, 1.0),
+                       memory=memory([0.3]), probe=1, remember=False, clock=lambda: next(clock))
+    out = generate(target, draft, prompt.expand(rows, -1), 3, temperature=1.0, drafter=auto,
+                   generator=torch.Generator().manual_seed(0))
+    assert auto.memory.chosen == {OFF: 1, candidates[0]: 1}
+    toks = out.sequences[:, 2:5]
+    counts = torch.bincount((toks[:, 0] * v + toks[:, 1]) * v + toks[:, 2], minlength=v ** 3).double()
+    for model, lossless in ((target, True), (draft, False)):
+        p = target_probs_of_prefix(model, prompt, 3).reshape(-1).double()
+        assert (chisquare(counts, p / p.sum() * rows).pvalue > 1e-3) == lossless

@@ -2,11 +2,13 @@
 unmodified target's greedy decoding token for token, for a batch of two prompts of different
 lengths, with a pure-Mamba2 draft and target (mamba_ssm) and a hybrid target (stree.hybrid)."""
 import copy
+import itertools
 
 import pytest
 import torch
 
 import stree
+from stree.costmodel import ForwardCost
 from stree.draft.auto import AutoDrafter
 from tests.oracle import SequentialDecoder
 from tests.test_model_hybrid import make_hybrid
@@ -183,6 +185,39 @@ def test_a_greedy_static_draft_runs_what_it_is_behind_as_its_lead(monkeypatch, t
     assert prefills and set(prefills) == {0}  # the prompts only, before the first draft
     if isinstance(drafter, AutoDrafter):
         assert len(drafter.memory.times) > 1  # it ran more than one candidate
+
+
+def test_auto_off_steps_are_caught_up_by_a_lead_or_a_prefill(monkeypatch, mamba_pair, mamba_reference):
+    """``auto`` off (no draft: the target's one-token step) for runs of 1 to 40 steps between
+    drafts: the draft model runs nothing on those steps, a backlog of up to ``MAX_LEAD`` (16)
+    tokens is run as the next draft's lead, a longer one is prefilled first; the output is the
+    target's greedy decoding."""
+    from stree.draft.auto import OFF
+    from stree.draft.base import MAX_LEAD
+
+    target, draft = mamba_pair
+    offs = itertools.cycle([3, 1, 40, 16, 17, 0, 8])
+    plan = itertools.chain.from_iterable([OFF] * next(offs) + ["caterpillar:2,2,2"] for _ in itertools.count())
+    monkeypatch.setattr(AutoDrafter, "choose", lambda self: next(plan))
+    leads, prefills, draws = [], [], []
+    draft_levels, prefill = draft.draft_levels, draft.prefill
+    monkeypatch.setattr(draft, "draft_levels", lambda tokens, cache, levels, pick, lead=None: leads.append(
+        lead) or draft_levels(tokens, cache, levels, pick, lead))
+    monkeypatch.setattr(draft, "prefill",  # (ragged rows come back one by one)
+                        lambda ids, cache, **kw: prefills.append((len(leads), ids)) or prefill(ids, cache, **kw))
+    auto = AutoDrafter(("caterpillar:2,2,2", OFF), ForwardCost(0.0, 1e-3, 1e-2), ForwardCost(0.0, 1e-4, 1e-3),
+                       remember=False)
+    out = stree.generate(target, draft, PROMPTS, N_NEW, drafter=auto)
+    assert new_tokens(out) == mamba_reference
+    steps = auto.memory.chosen
+    assert len(leads) == steps["caterpillar:2,2,2"] and steps[OFF] > 0.8 * out.stats.target_calls
+    ran = [lead for lead in leads if lead is not None]
+    assert ran and max(lead.shape[1] for lead in ran) == MAX_LEAD  # a backlog of 16: a lead
+    catch_ups = {}  # by the draft it came before: the longest row
+    for drafts, ids in prefills:
+        if drafts and not isinstance(ids, list):
+            catch_ups[drafts] = max(catch_ups.get(drafts, 0), ids.shape[1])
+    assert catch_ups and min(catch_ups.values()) > MAX_LEAD and max(catch_ups.values()) >= 40
 
 
 def test_a_sampled_static_draft_with_a_lead_draws_what_it_draws_after_a_catch_up(monkeypatch, mamba_pair):

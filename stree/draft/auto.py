@@ -30,9 +30,10 @@ predicted from a running acceptance profile:
   not favoured on a hard one, since the model's tau moved with the prompt too.
 
 Candidates (:func:`default_candidates`, by device): on CUDA chains ``chain:1..6``, the static
-presets, caterpillars of depth 3 to 6 and ``dyspec:8/16/32``; elsewhere chains ``chain:2/4/6``
-and caterpillars of depth 3 to 5, whose draft runs one node per level (every candidate costs
-exploration). A switch needs a predicted gain of ``switch_margin`` (3%) to avoid flapping.
+presets, caterpillars of depth 3 to 6 and ``dyspec:8/16/32``; elsewhere ``caterpillar:2,2,2``,
+``chain:4`` and ``caterpillar:2,2,2,2``, whose draft runs one node per level (every candidate
+costs exploration); then suffix trees alone and merged (:data:`SUFFIX_CANDIDATES`), and
+:data:`OFF`. A switch needs a predicted gain of ``switch_margin`` (3%) to avoid flapping.
 Draft level costs follow the level mechanism: each level forwards only the nodes it runs
 (``level_widths``).
 
@@ -58,6 +59,19 @@ draft mode keeps its own profile, it then runs the first candidate of every othe
 (``chain:4``, verified by ASpS) for as many steps: a warm-up on the MSS tree alone left the ASpS
 chains looking worse than they are.
 
+One candidate, :data:`OFF`, drafts nothing: the step is the target's one-token step (a
+root-only tree through the loop, what ``method="ar-tree"`` runs) and the draft model runs
+nothing, so the step costs what the model's own decoding through stree costs. It is predicted
+at one token per ``t_target(1)``, corrected by its measured step time like every candidate, and
+chosen where no draft is predicted to pay for itself. The tokens the draft model misses are its
+backlog (as after a suffix tree's step): the next step that drafts with the model runs them as
+its lead (at most ``MAX_LEAD``) or prefills them first. Off, the draft model's predictions stay
+as its last verdicts left them, so after ``probe`` (4) steps off in a row one step drafts with
+the best-rated draft-model candidate (a probe), and each return to off after a probe doubles the
+interval, up to ``max_probe`` (64): the probes cost at most one step in 65 where the draft never
+pays, and its verdicts bring ``auto`` back when the text turns predictable (a suffix tree's
+prediction follows the text every step, off or not).
+
 Choices are made by optimism in the face of uncertainty: a candidate timed over ``n`` steps
 gets a bonus of ``optimism / sqrt(1 + n)`` (20%) on its predicted tokens per second, so the
 model's near misses are tried and then judged by their own measurements (a 10% bonus did worse
@@ -78,6 +92,7 @@ from stree.costmodel import ForwardCost, forward_cost
 from stree.draft.base import MAX_LEAD, SAMPLED_MODES, Drafter
 from stree.draft.merged import MergedDrafter, all_chosen
 from stree.draft.presets import parse_tree
+from stree.draft.static import StaticTreeDrafter
 from stree.draft.suffix import ContextIndex, SuffixDrafter
 from stree.draft_types import Draft
 from stree.sampling import SamplingConfig
@@ -100,19 +115,24 @@ CPU_CANDIDATES = ("caterpillar:2,2,2", "chain:4", "caterpillar:2,2,2,2")
 SUFFIX_CANDIDATES = {"cuda": ("suffix:32", "static:fig4a+suffix:32", "chain:4+suffix:32"),
                      "cpu": ("suffix:16", "caterpillar:2,2,2,2+suffix:16")}
 
+# The candidate that drafts nothing: the target's one-token step (a root-only tree, as ``ar-tree``
+# runs it) and no draft-model work, for steps where no draft is predicted to pay.
+OFF = "off"
+
 
 def default_candidates(device=None, draft_model: bool = True) -> tuple[str, ...]:
     """The candidates ``"auto"`` picks among on ``device``: on CUDA, where a level or a verify of
     many nodes costs about one, chains, static presets, caterpillars and DySpec budgets
     (:data:`DEFAULT_CANDIDATES`); elsewhere chains and caterpillars (:data:`CPU_CANDIDATES`);
     then suffix trees alone and merged with the draft's (:data:`SUFFIX_CANDIDATES`). Each
-    starts with the device's default tree (``stree.default_drafter``), where auto starts.
-    Without a draft model: the suffix trees alone."""
+    starts with the device's default tree (``stree.default_drafter``), where auto starts, and
+    ends with :data:`OFF`, no draft at all. Without a draft model: the suffix trees alone, and
+    :data:`OFF`."""
     cuda = torch.device(device or "cpu").type == "cuda"
     suffix = SUFFIX_CANDIDATES["cuda" if cuda else "cpu"]
     if not draft_model:
-        return tuple(c for c in suffix if "+" not in c)
-    return (DEFAULT_CANDIDATES if cuda else CPU_CANDIDATES) + suffix
+        return tuple(c for c in suffix if "+" not in c) + (OFF,)
+    return (DEFAULT_CANDIDATES if cuda else CPU_CANDIDATES) + suffix + (OFF,)
 
 
 @dataclass
@@ -225,7 +245,9 @@ class AutoMemory:
     ``taus`` / ``times``: per candidate spec, its accepted tokens per row-step and its whole
     step's seconds against the model's; ``scale``: step seconds against the model's over all
     candidates; ``suffix``: drafted tokens accepted from suffix trees against their scores;
-    ``current``: the candidate running now; ``steps``: verified steps seen.
+    ``current``: the candidate running now; ``steps``: verified steps seen; ``chosen``: steps
+    each candidate ran (plain counts, for reports); ``idle`` / ``probe_every``: steps run
+    :data:`OFF` since the last probe, and how many it runs before the next (0: not yet off).
     """
 
     profile: AcceptanceProfile = field(default_factory=AcceptanceProfile)
@@ -236,6 +258,9 @@ class AutoMemory:
     suffix: Ratio = field(default_factory=Ratio)
     current: str | None = None
     steps: int = 0
+    chosen: dict[str, int] = field(default_factory=dict)
+    idle: int = 0
+    probe_every: int = 0
 
 
 # target -> draft -> (candidates, mode, sampling) -> AutoMemory; entries go with the models
@@ -321,6 +346,8 @@ class AutoDrafter(Drafter):
     warmup: int = 8
     prior_steps: float = 8.0
     optimism: float = 0.2
+    probe: int = 4
+    max_probe: int = 64
     by_mode: bool = False  # one profile per draft mode (set by prepare at T > 0)
     remember: bool = True
     index: "ContextIndex | None" = None
@@ -343,7 +370,8 @@ class AutoDrafter(Drafter):
         if not self.candidates:
             raise ValueError("auto drafter needs at least one candidate")
         self.index = self.index if self.index is not None else ContextIndex()
-        self._drafters = {spec: parse_tree(spec, index=self.index) for spec in self.candidates}
+        self._drafters = {spec: StaticTreeDrafter((-1,), mode="deterministic", name=OFF) if spec == OFF
+                          else parse_tree(spec, index=self.index) for spec in self.candidates}
         self._shapes = {spec: (d.parents, level_widths(d.parents))
                         for spec, d in ((spec, _model_part(d)) for spec, d in self._drafters.items())
                         if getattr(d, "parents", None)}
@@ -471,6 +499,8 @@ class AutoDrafter(Drafter):
         if self.target_cost is None or (self.draft_cost is None and d.uses_draft_model):
             raise ValueError("auto drafter has no cost model: call prepare(target, draft, sampling) or "
                              "pass target_cost and draft_cost")
+        if spec == OFF:  # one token per one-token step; the backlog waits for the next draft
+            return 1.0, self.target_cost(1)
         suffix = _suffix_part(d)
         if suffix is not None:
             specs = self.index.speculate(suffix.config)
@@ -535,8 +565,35 @@ class AutoDrafter(Drafter):
         best = max(rate, key=rate.get)
         current = self.memory.current
         if current in rate and rate[best] < rate[current] * (1 + self.switch_margin):
-            return current
-        return best
+            best = current
+        return self._explore(best, rate)
+
+    def _explore(self, choice: str, rate: dict[str, float]) -> str:
+        """``choice``, except that after ``probe_every`` steps :data:`OFF` in a row one step runs
+        the best-rated draft-model candidate (a probe; the best other candidate without a draft
+        model): off, the draft model's predictions stay as its last verdicts left them, and a
+        probe's verdicts and timing let ``auto`` come back when the text turns predictable (a
+        suffix tree's prediction follows the text every step anyway). The interval starts at
+        ``probe`` steps and doubles, up to ``max_probe``, each time ``auto`` goes back off after
+        a probe: then at most one step in ``max_probe + 1`` drafts in vain. Any other choice
+        resets it."""
+        mem = self.memory
+        if choice != OFF:
+            mem.probe_every = mem.idle = 0
+            return choice
+        if not mem.probe_every:  # going off
+            mem.probe_every = self.probe
+        elif not mem.idle:  # back off right after a probe
+            mem.probe_every = min(2 * mem.probe_every, self.max_probe)
+        if mem.idle < mem.probe_every:
+            mem.idle += 1
+            return OFF
+        others = [spec for spec in rate if spec != OFF]
+        drafting = [spec for spec in others if self._drafters[spec].uses_draft_model] or others
+        if not drafting:
+            return OFF
+        mem.idle = 0
+        return max(drafting, key=rate.get)
 
     def _warmup_order(self) -> list[str]:
         """The first draft-model candidate of each profile's draft mode (one profile unless
@@ -565,14 +622,18 @@ class AutoDrafter(Drafter):
         if self.reads_context:
             self.index.root(roots.tolist())
         mem.current = self.choose()
+        mem.chosen[mem.current] = mem.chosen.get(mem.current, 0) + 1
         self._step_model = self.model(mem.current)
         self._planned = mem.current
         return mem.current
 
     def draft(self, model, cache, roots: Tensor, sampling: SamplingConfig,
               generator: torch.Generator | None = None, lead: Tensor | None = None) -> Draft:
-        d = self._drafters[self._plan(roots)]
+        spec = self._plan(roots)
+        d = self._drafters[spec]
         self._planned = None
+        if spec == OFF:  # a root-only tree, no draft-model call (its backlog waits for the next draft)
+            model = cache = None
         args = (model, cache, roots, sampling, generator)
         out = d.draft(*args) if lead is None else d.draft(*args, lead=lead)
         if d.uses_draft_model:
