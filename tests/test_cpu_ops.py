@@ -1,7 +1,9 @@
 """stree's C++ CPU tree-row ops against the eager tree conv, tree scan and replays (themselves
 checked against mamba-ssm's step along every root-to-node path in test_kernels_conv_replay.py and
 test_kernels_tree_scan.py), on trees scattered among other tokens and on state caches with vLLM's
-layouts. tests/vllm/test_trees.py runs both implementations inside the vLLM layers."""
+layouts. tests/vllm/test_trees.py runs both implementations inside the vLLM layers. The gated
+delta rule's op against its eager reference (itself checked against the rule run token by token
+in test_kernels_tree_delta.py, which runs the op there too)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from stree.kernels.cpu_ops import ops
 from stree.kernels.replay import conv_replay, ssm_replay_ref
 from stree.kernels.tree_conv import tree_conv_ref
+from stree.kernels.tree_delta import tree_delta_ref
 from stree.kernels.tree_scan import tree_scan_ref
 from stree.tree import TokenTree
 
@@ -123,6 +126,26 @@ def test_tree_scan_commit_matches_ssm_replay(cpu_ops, paths):
     torch.testing.assert_close(ssm_state, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("parents", PARENTS)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_tree_delta_rows_match_the_eager_rule(cpu_ops, parents, per_channel):
+    """Two rows of differently shaped trees; q, k, v read as views of wider rows (the layer
+    splits them out of one projection), the state a view of a pool's slots."""
+    gen = torch.Generator().manual_seed(len(parents))
+    b, n, h, dk, dv = 2, len(parents), 3, 16, 24
+    other = parents if n < 4 else [-1] + [0] * (n - 1)
+    mask = torch.cat([TokenTree(torch.zeros(1, n, dtype=torch.long), p).mask for p in (parents, other)])
+    qkv = torch.randn(b, n, h, 2 * dk + dv + 5, generator=gen)
+    q = F.normalize(qkv[..., :dk], dim=-1) * dk ** -0.5
+    k, v = F.normalize(qkv[..., dk:2 * dk], dim=-1), qkv[..., 2 * dk:2 * dk + dv]
+    g = -torch.rand(*(b, n, h, dk) if per_channel else (b, n, h), generator=gen) * 1.5
+    beta = torch.rand(b, n, h, generator=gen) * 2
+    s0 = torch.randn(b + 1, h, dk, dv, generator=gen)[1:] * 0.5
+    for got, want, what in zip(cpu_ops.tree_delta_rows(q, k, v, g, beta, mask, s0),
+                               tree_delta_ref(q, k, v, g, beta, mask, s0), ("o", "u", "G")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
 def test_bad_inputs_get_clear_errors(cpu_ops):
     def scan(start, parents):  # a two-node tree of 4 tokens, 2 heads, 1 group, state size 8
         cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
@@ -146,6 +169,10 @@ def test_bad_inputs_get_clear_errors(cpu_ops):
     with pytest.raises(RuntimeError, match="past the conv state"):
         cpu_ops.tree_conv_commit(torch.zeros(2, 8, 4), torch.tensor([0]), torch.tensor([2]), torch.zeros(1, 3, 8),
                                  torch.zeros(1, 2, 8), torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="tree_delta_rows: q must be a float32"):
+        x = torch.randn(1, 2, 1, 4, dtype=torch.float64)
+        cpu_ops.tree_delta_rows(x, x, x, torch.zeros(1, 2, 1), torch.ones(1, 2, 1), torch.ones(1, 2, 2).bool().tril(),
+                                torch.zeros(1, 1, 4, 4))
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_ops.tree_scan_commit(torch.zeros(2, 2, 4, 8), torch.tensor([0]), torch.zeros(1, 2, 4, 8),
                                  torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2), -torch.ones(2), torch.zeros(1, 2, 1, 8),

@@ -1,4 +1,5 @@
-"""TreeDelta, delta replay and the chunked rule: Triton (interpreter, fp32) vs reference vs a sequential oracle.
+"""TreeDelta, delta replay and the chunked rule: Triton (interpreter, fp32) vs reference vs a sequential oracle;
+``impl="auto"`` on these CPU tensors is the C++ op (``csrc/tree_delta.cpp``, tests/test_cpu_ops.py).
 
 The oracle runs the gated delta rule ``S = diag(exp g) S; u = beta (v - S^T k); S += k u^T;
 o = S^T q`` token by token along every root-to-node path, in float64. It shares no code with stree.
@@ -43,7 +44,7 @@ def oracle(x, parents, row, t):
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ["ref", "triton", "auto"])
 @pytest.mark.parametrize("name", TREES)
 def test_every_node_and_every_replayed_path_match_the_sequential_rule(name, impl, per_channel):
     parents = TREES[name]

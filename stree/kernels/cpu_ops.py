@@ -1,16 +1,17 @@
-"""stree's C++ CPU ops (``csrc/tree_rows.cpp``, ``csrc/tree_attention.cpp``), built on first use
-with torch's C++ extension loader and cached per source, flags, CPU, Python and torch version
-under ``$STREE_CACHE`` (default ``~/.cache/stree``).
+"""stree's C++ CPU ops (``csrc/tree_rows.cpp``, ``csrc/tree_attention.cpp``,
+``csrc/tree_delta.cpp``), built on first use with torch's C++ extension loader and cached per
+source, flags, CPU, Python and torch version under ``$STREE_CACHE`` (default ``~/.cache/stree``).
 
 Serving engines run a decode step as a few fused ops per layer; stree's eager tree rows are a
 dozen small PyTorch ops per layer and tree shape, each paying the interpreter and dispatcher. These
 ops do a Mamba2 layer's tree conv, tree scan and their commits, gathers and copies included, and an
-attention layer's tree rows over the engine's paged KV cache, one call each. Each has an eager
-reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
+attention layer's tree rows over the engine's paged KV cache, one call each; and the gated delta
+rule over a tree (stree's own Gated DeltaNet and KDA verify: ``tree_delta``'s CPU path). Each has
+an eager reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
 :func:`stree.kernels.tree_scan.tree_scan`, :mod:`stree.kernels.replay`,
-:func:`stree.vllm.attention_rows.tree_attention`'s gathered path), which is what runs where
-the ops cannot: no compiler (a warning, once), ``STREE_CPU_OPS=0``, or anything but fp32 CPU
-tensors.
+:func:`stree.vllm.attention_rows.tree_attention`'s gathered path,
+:func:`stree.kernels.tree_delta.tree_delta_ref`), which is what runs where the ops cannot: no
+compiler (a warning, once), ``STREE_CPU_OPS=0``, or anything but fp32 CPU tensors.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("tree_rows.cpp", "tree_attention.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("tree_rows.cpp", "tree_attention.cpp",
+                                                                   "tree_delta.cpp")]
 # -march=native: built on the machine that runs it; -ffast-math: vectorized exp and sums (the
 # results are compared with the eager references at fp32 tolerances, as the Triton kernels are)
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

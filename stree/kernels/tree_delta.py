@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from stree.kernels import cpu_ops
 from stree.kernels._common import (check_device, check_float, check_ndim, check_shape, debug_checks,
                                    use_triton)
 
@@ -206,7 +207,8 @@ def tree_delta(q, k, v, g, beta, mask, initial_state, impl="auto"):
         beta: ``(batch, nodes, heads)`` write strength.
         mask: ``(batch, nodes, nodes)`` bool ancestor-or-self mask, nodes packed topologically.
         initial_state: ``(batch, heads, dk, dv)`` committed state.
-        impl: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "ref".
+        impl: "auto" (Triton on CUDA tensors; on the CPU the C++ op ``csrc/tree_delta.cpp`` for
+            fp32 inputs outside ``torch.compile``, else the reference), "triton" or "ref".
     Returns:
         ``o (batch, nodes, heads, dv)`` in v's dtype; ``u (batch, nodes, heads, dv)`` fp32 and
         ``G`` (g's shape, fp32): with ``k``, what :func:`~stree.kernels.replay.delta_replay`
@@ -216,6 +218,10 @@ def tree_delta(q, k, v, g, beta, mask, initial_state, impl="auto"):
         _check_args(q, k, v, g, beta, mask, initial_state)
     if use_triton(impl, v):
         return _tree_delta_triton(q, k, v, g, beta, mask, initial_state)
+    if impl == "auto" and not torch.compiler.is_compiling() and cpu_ops.usable(q, k, v, g, beta, initial_state):
+        # one call instead of the reference's ~20 batched ops (a 16-node tree of four 64-channel
+        # heads: about 40 us against 180); a compiled step fuses the reference instead
+        return tuple(cpu_ops.ops().tree_delta_rows(q, k, v, g, beta, mask, initial_state))
     return _tree_delta_ref(q, k, v, g, beta, mask, initial_state)
 
 

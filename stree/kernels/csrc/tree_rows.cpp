@@ -317,6 +317,10 @@ void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, c
                          int64_t k_ts, int64_t k_es, int64_t v_ts, int64_t v_es, const at::Tensor& block_table,
                          const at::Tensor& seq_lens, const at::Tensor& index, const at::Tensor& mask, double scale,
                          at::Tensor out);
+// csrc/tree_delta.cpp
+std::vector<at::Tensor> tree_delta_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& g, const at::Tensor& beta, const at::Tensor& mask,
+                                        const at::Tensor& s0);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_conv_commit", &tree_conv_commit, "commit of tree_conv_rows along the accepted paths (CPU, fp32)");
@@ -325,4 +329,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_scan_rows", &tree_scan_rows, "tree scan of a group of equally shaped trees (CPU, fp32)");
   m.def("tree_attention_rows", &tree_attention_rows,
         "attention rows of a group of equally shaped trees over a paged KV cache (CPU, fp32)");
+  m.def("tree_delta_rows", &tree_delta_rows, "the gated delta rule over a packed token tree (CPU, fp32)");
 }
