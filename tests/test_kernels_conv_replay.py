@@ -1,4 +1,5 @@
-"""Tree conv1d and conv replay: Triton (interpreter, fp32) vs reference vs a sequential oracle.
+"""Tree conv1d and conv replay: Triton (interpreter, fp32) and the C++ op (``impl="auto"`` on these
+CPU tensors) vs reference vs a sequential oracle.
 
 The oracle convolves the sequence [committed conv_state columns, root-to-node path tokens] one
 output at a time, and builds the window table from parent lists itself (no stree code).
@@ -100,6 +101,7 @@ def test_tree_conv(tree, variant):
         out = tree_conv(**args, activation=activation, impl="triton")
     ref = tree_conv_ref(**args, activation=activation)
     assert_close(out, ref, torch.float32, f"triton vs reference on {tree}/{variant}")
+    assert_close(tree_conv(**args, activation=activation), ref, torch.float32, f"C++ vs reference on {tree}/{variant}")
     assert_close(ref, oracle_conv(rows, **args, activation=activation), torch.float32,
                  f"reference vs oracle on {tree}/{variant}")
 
@@ -123,6 +125,7 @@ def test_tree_conv_random_trees(n, w, seed):
         out = tree_conv(**args, impl="triton")
     ref = tree_conv_ref(**args)
     assert_close(out, ref, torch.float32, "triton vs reference")
+    assert_close(tree_conv(**args), ref, torch.float32, "C++ vs reference")
     assert_close(ref, oracle_conv(rows, **args, activation="silu"), torch.float32, "ref vs oracle")
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from stree.kernels import cpu_ops
 from stree.kernels._common import (check_device, check_float, debug_checks, check_index, check_ndim,
                                    check_shape, use_triton)
 from stree.tree import conv_gather_rows
@@ -141,7 +142,9 @@ def tree_conv(xbc, conv_state, weight, bias, window, activation="silu", impl="au
         window: (batch, nodes, width) int64 indices into ext = cat(conv_state[:, :, 1:], xbc^T)
             (``TokenTree.conv_window(width)``).
         activation: "silu" (or its alias "swish") or None.
-        impl: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "ref".
+        impl: "auto" (Triton on CUDA tensors; on the CPU the C++ ``tree_conv_rows`` of
+            ``csrc/tree_rows.cpp`` for fp32 inputs outside ``torch.compile``, else the
+            reference), "triton" or "ref".
         gather_index: ``TokenTree.conv_gather_index(width)`` (``conv_gather_rows`` of the
             window, shared by every layer of a tree); derived from ``window`` when None.
     Returns:
@@ -151,7 +154,23 @@ def tree_conv(xbc, conv_state, weight, bias, window, activation="silu", impl="au
         _check_args(xbc, conv_state, weight, bias, window, activation)
     if use_triton(impl, xbc):
         return _tree_conv_triton(xbc, conv_state, weight, bias, window, activation)
+    if (impl == "auto" and not torch.compiler.is_compiling()
+            and cpu_ops.usable(xbc, conv_state, weight, *([] if bias is None else [bias]))):
+        return _tree_conv_cpu(xbc, conv_state, weight, bias, window, activation)
     return _tree_conv_ref(xbc, conv_state, weight, bias, window, activation, gather_index)
+
+
+def _tree_conv_cpu(xbc, conv_state, weight, bias, window, activation):
+    # the serving engines' C++ tree conv (one call where the reference takes about ten ops), its
+    # trees here the batch's rows: row r's committed window is columns 1.. of conv_state[r]
+    b, n, c = xbc.shape
+    out = torch.empty_like(xbc)
+    rows = torch.arange(b, device=xbc.device)
+    cpu_ops.ops().tree_conv_rows(xbc.reshape(b * n, c), conv_state, rows, torch.ones_like(rows),
+                                 torch.arange(b * n, device=xbc.device).view(b, n), window, weight,
+                                 torch.empty(0) if bias is None else bias, activation is not None,
+                                 out.view(b * n, c))
+    return out
 
 
 def tree_conv_ref(xbc, conv_state, weight, bias, window, activation="silu"):

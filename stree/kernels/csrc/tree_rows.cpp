@@ -49,10 +49,11 @@ inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); 
 }  // namespace
 
 // x (tokens, c) pre-conv inputs; conv_state (slots, c, L) any strides; slots, col0 (b,): each
-// tree's slot and first committed column; index (b, n): each node's token row; window (n, w):
-// node i's taps as indices into cat(committed window (w - 1 columns), the tree's inputs), oldest
-// first; weight (c, w); bias (c,) or empty. Writes act(conv) into out's rows index; returns the
-// nodes' inputs (b, n, c) and the committed windows (b, w - 1, c).
+// tree's slot and first committed column; index (b, n): each node's token row; window (n, w), or
+// (b, n, w) for trees of different shapes: node i's taps as indices into cat(committed window
+// (w - 1 columns), the tree's inputs), oldest first; weight (c, w); bias (c,) or empty. Writes
+// act(conv) into out's rows index; returns the nodes' inputs (b, n, c) and the committed windows
+// (b, w - 1, c).
 std::vector<at::Tensor> tree_conv_rows(const at::Tensor& x, const at::Tensor& conv_state,
                                        const at::Tensor& slots, const at::Tensor& col0,
                                        const at::Tensor& index, const at::Tensor& window,
@@ -66,7 +67,10 @@ std::vector<at::Tensor> tree_conv_rows(const at::Tensor& x, const at::Tensor& co
   const int64_t c = x.size(1), b = index.size(0), n = index.size(1), w = weight.size(1);
   TORCH_CHECK(weight.size(0) == c && conv_state.size(1) == c && out.size(1) == c,
               "stree cpu ops: tree_conv_rows channel counts differ");
-  TORCH_CHECK(window.size(0) == n && window.size(1) == w, "stree cpu ops: window must be (n, w)");
+  const bool per_tree = window.dim() == 3;  // each tree its own taps (stree's batches of trees)
+  TORCH_CHECK(per_tree ? window.size(0) == b && window.size(1) == n && window.size(2) == w
+                       : window.dim() == 2 && window.size(0) == n && window.size(1) == w,
+              "stree cpu ops: window must be (n, w) or (b, n, w)");
   TORCH_CHECK(slots.numel() == b && col0.numel() == b, "stree cpu ops: slots and col0 must be (b,)");
   TORCH_CHECK(w >= 1 && conv_state.size(2) >= w - 1, "stree cpu ops: the conv state is narrower than the window");
   check_range(slots, 0, conv_state.size(0), "a conv slot");
@@ -108,7 +112,7 @@ std::vector<at::Tensor> tree_conv_rows(const at::Tensor& x, const at::Tensor& co
     for (int64_t bi = begin; bi < end; ++bi) {
       const int64_t r = bi / n, i = bi % n;
       for (int64_t k = 0; k < w; ++k) {
-        const int64_t t = tap_p[i * w + k];
+        const int64_t t = tap_p[((per_tree ? r * n : 0) + i) * w + k];
         taps[k] = t < w - 1 ? win_p + (r * (w - 1) + t) * c : xbc_p + (r * n + t - (w - 1)) * c;
       }
       float* __restrict dst = out_p + idx_p[bi] * so;
