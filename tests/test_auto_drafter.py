@@ -460,6 +460,21 @@ def test_off_wins_where_no_draft_pays_and_probes_at_doubling_intervals():
     assert auto.choose() == "chain:4" and (auto.memory.idle, auto.memory.probe_every) == (0, 0)
 
 
+def test_warmup_measures_off_after_the_drafts():
+    """The model's own step is measured in the warm-up, after the draft modes' first candidates:
+    its prediction is not the cost model's (timed on one row) times the drafts' ratio."""
+    auto = AutoDrafter(("chain:6", "chain:1", OFF), ForwardCost(0.0, 1e-3, 1e-2), warmup=2,
+                       memory=AutoMemory(profile([0.9], 1e6)), **COSTS)
+    seen = []
+    for _ in range(5):
+        auto.memory.current = auto.choose()
+        seen.append(auto.memory.current)
+        n = 1 if seen[-1] == OFF else 1 + int(seen[-1][-1])
+        auto.observe(TokenTree(torch.zeros(1, n, dtype=torch.long), list(range(-1, n - 1))),
+                     torch.tensor([list(range(n))]))
+    assert seen == ["chain:6"] * 2 + [OFF] * 2 + ["chain:6"]
+
+
 def test_off_is_not_chosen_where_the_draft_pays():
     auto = AutoDrafter(("chain:4", OFF), ForwardCost(0.0, 1e-3, 1e-2), memory=memory([0.8]), **COSTS)
     assert auto.choose() == "chain:4"

@@ -57,7 +57,8 @@ shallow levels; before the profile kept depths apart, auto sat on ``chain:2`` fo
 that way, at T = 0 from the start, at T = 1 once mid-run). At T > 0, where each
 draft mode keeps its own profile, it then runs the first candidate of every other mode
 (``chain:4``, verified by ASpS) for as many steps: a warm-up on the MSS tree alone left the ASpS
-chains looking worse than they are.
+chains looking worse than they are. Last, :data:`OFF` runs for as many steps, so that the
+model's own step is measured before it is weighed against drafting.
 
 One candidate, :data:`OFF`, drafts nothing: the step is the target's one-token step (a
 root-only tree through the loop, what ``method="ar-tree"`` runs) and the draft model runs
@@ -550,7 +551,8 @@ class AutoDrafter(Drafter):
         uncertainty: a candidate timed over ``n`` steps gets a bonus of ``optimism /
         sqrt(1 + n)``, so the model's near misses get tried and then judged by their own
         measurements. A new memory first runs each draft mode's first candidate for ``warmup``
-        steps (at T = 0, where one profile serves every mode, just the first candidate)."""
+        steps (at T = 0, where one profile serves every mode, just the first candidate), then
+        :data:`OFF` for as many."""
         firsts = self._warmup_order()
         if self.memory.steps < self.warmup * len(firsts):
             return firsts[self.memory.steps // self.warmup]
@@ -597,12 +599,14 @@ class AutoDrafter(Drafter):
 
     def _warmup_order(self) -> list[str]:
         """The first draft-model candidate of each profile's draft mode (one profile unless
-        ``by_mode``); suffix trees are predicted from their own counts and need none."""
+        ``by_mode``), then :data:`OFF`, whose step is measured rather than taken from the cost
+        model (timed on one row: a batch's one-token step is not its multiple); suffix trees
+        are predicted from their own counts and need none."""
         firsts: dict = {}
         for spec, d in self._drafters.items():
             if d.uses_draft_model:
                 firsts.setdefault(_model_part(d).mode if self.by_mode else None, spec)
-        return list(firsts.values())
+        return list(firsts.values()) + ([OFF] if OFF in self._drafters else [])
 
     # ---------------------------------------------------------------------------- decoding
     def wants_draft_model(self, roots: Tensor) -> bool:
