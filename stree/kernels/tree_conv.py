@@ -154,7 +154,7 @@ def tree_conv(xbc, conv_state, weight, bias, window, activation="silu", impl="au
         _check_args(xbc, conv_state, weight, bias, window, activation)
     if use_triton(impl, xbc):
         return _tree_conv_triton(xbc, conv_state, weight, bias, window, activation)
-    if (impl == "auto" and not torch.compiler.is_compiling()
+    if (impl == "auto" and not torch.compiler.is_compiling() and window.dtype == torch.int64
             and cpu_ops.usable(xbc, conv_state, weight, *([] if bias is None else [bias]))):
         return _tree_conv_cpu(xbc, conv_state, weight, bias, window, activation)
     return _tree_conv_ref(xbc, conv_state, weight, bias, window, activation, gather_index)
@@ -167,7 +167,7 @@ def _tree_conv_cpu(xbc, conv_state, weight, bias, window, activation):
     out = torch.empty_like(xbc)
     rows = torch.arange(b, device=xbc.device)
     cpu_ops.ops().tree_conv_rows(xbc.reshape(b * n, c), conv_state, rows, torch.ones_like(rows),
-                                 torch.arange(b * n, device=xbc.device).view(b, n), window, weight,
+                                 torch.arange(b * n, device=xbc.device).view(b, n), window.contiguous(), weight,
                                  torch.empty(0) if bias is None else bias, activation is not None,
                                  out.view(b * n, c))
     return out
