@@ -76,7 +76,8 @@ std::vector<at::Tensor> tree_delta_rows(const at::Tensor& q, const at::Tensor& k
   const int64_t sv0 = v.stride(0), sv1 = v.stride(1), sv2 = v.stride(2);
   const int64_t ss0 = s0.stride(0), ss1 = s0.stride(1), ss2 = s0.stride(2);
   // threads only where a share is worth waking them for: a lone 16-node tree's four heads of 64
-  // channels take about 40 us on one core, and a second woken thread costs more than it saves
+  // channels take about 40 us on one core, and waking a second thread for half of them measured
+  // slower (docs/performance.md, "Measured and not adopted")
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, n * dk * dv));
   at::parallel_for(0, b * h, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> ks(dv), qs(dv), eG(n * gk), kg(dk), qg(dk);
