@@ -76,6 +76,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -160,8 +161,8 @@ def parse_args(argv=None) -> Config:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--vllm-child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.vllm_child:
-        _vllm_engine(json.loads(a.vllm_child))
+    if a.vllm_child:  # a JSON file: the conversations' prompts pass the limit of one argument
+        _vllm_engine(json.loads(Path(a.vllm_child).read_text()))
         raise SystemExit(0)
     target = a.target or os.path.join(a.models, "target")
     draft = a.draft or os.path.join(a.models, "draft")
@@ -563,8 +564,11 @@ def run_vllm(cfg: Config, replayed, meta) -> list[dict]:
         spec = dict(target=cfg.target, speculative_config=config, prompts=prompts,
                     max_new_tokens=cfg.max_new_tokens, enforce_eager=cfg.enforce_eager,
                     max_model_len=model_config(cfg.target).get("max_position_embeddings", 2048))
-        proc = subprocess.run([sys.executable, __file__, "--vllm-child", json.dumps(spec)], env=env,
-                              capture_output=True, text=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(spec, f)
+            f.flush()
+            proc = subprocess.run([sys.executable, __file__, "--vllm-child", f.name], env=env,
+                                  capture_output=True, text=True)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-20000:])
             raise SystemExit(f"the vLLM engine for {label} failed (exit {proc.returncode})")
