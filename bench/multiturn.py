@@ -59,8 +59,8 @@ refuse other values), so a later turn also prefills the previous reply from that
 
 Per turn that hits a cache, right after it and with the same method: the TTFT of a fresh prompt of
 only the tokens that turn prefilled, no cache (``fresh_ttft_s``; inside vLLM a request of those
-tokens alone, which no cached block begins): ``ttft_vs_fresh`` is what restoring costs on top of
-prefilling only the uncached tokens.
+tokens alone, which no cached block begins); ``ttft_vs_fresh`` is a hit's TTFT against it (a hit
+also restores, attends to the history and catches a draft up).
 
 It prints a markdown table and writes, under ``--out``, ``multiturn_{sets}_{device}_{date}.csv``
 / ``.json`` (one row per method, mode and turn index, and one over all turns, ``turn`` = "all")
@@ -352,7 +352,6 @@ class Runner:
             decode_tokens_per_s=(len(reply) - 1) / decode_s if len(reply) > 1 and decode_s > 0 else None,
             total_s=end - start, prefill_s=s.prefill_s, steps=s.steps, target_calls=s.target_calls,
             draft_calls=s.draft_calls, tau=s.tau if s.steps else None, drafter=s.drafter, verifier=s.verifier)
-
 
     def _fresh_ttft(self, target, draft, tokens: list[int], eos) -> float | None:
         """TTFT of the same method on a fresh prompt of ``tokens`` alone, no cache of any kind: what
