@@ -59,8 +59,9 @@ refuse other values), so a later turn also prefills the previous reply from that
 
 Per turn that hits a cache, right after it and with the same method: the TTFT of a fresh prompt of
 only the tokens that turn prefilled, no cache (``fresh_ttft_s``; inside vLLM a request of those
-tokens alone, which no cached block begins); ``ttft_vs_fresh`` is a hit's TTFT against it (a hit
-also restores, attends to the history and catches a draft up).
+tokens alone, which no cached block begins); ``ttft_vs_fresh`` is a hit's TTFT against it (the
+fresh prompt runs on caches the hit just warmed; a hit also attends to the history and catches a
+draft up).
 
 It prints a markdown table and writes, under ``--out``, ``multiturn_{sets}_{device}_{date}.csv``
 / ``.json`` (one row per method, mode and turn index, and one over all turns, ``turn`` = "all")
