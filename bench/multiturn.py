@@ -299,16 +299,18 @@ class Runner:
         """Commit ``system`` into the prefix cache (``max_new_tokens=0``)."""
         self._generate(target, draft, torch.tensor(system, device=_device(target)), 0, eos, None)
 
-    def _generate(self, target, draft, ids, max_new_tokens, eos, streamer):
+    def _generate(self, target, draft, ids, max_new_tokens, eos, streamer, cached: bool = True):
+        """This configuration's ``generate`` call; ``cached=False``: the same method with no
+        session, prefix cache or suffix cache."""
         from stree.generation import generate
 
         m = self.method
         uses_draft = bool(m.drafter) and m.draft_model
+        session, prefix_cache = (self.session, self.prefix_cache) if cached else (None, None)
         return generate(target, draft if uses_draft else None, ids, max_new_tokens, temperature=0.0,
                         eos_token_id=eos, drafter=m.drafter, verifier=m.verifier, method=m.method,
-                        compile=m.compile, streamer=streamer, session=self.session,
-                        prefix_cache=self.prefix_cache,
-                        suffix_cache=self.suffix_cache if m.drafter and self.session is None else None)
+                        compile=m.compile, streamer=streamer, session=session, prefix_cache=prefix_cache,
+                        suffix_cache=self.suffix_cache if cached and m.drafter and session is None else None)
 
     def turn(self, target, draft, user: list[int], max_new_tokens: int, eos,
              conversation: list[int] | None = None) -> tuple[list[int], dict]:
@@ -358,14 +360,9 @@ class Runner:
         """TTFT of the same method on a fresh prompt of ``tokens`` alone, no cache of any kind: what
         prefilling only the tokens a cached turn had to prefill costs (run right after that turn,
         on the same warm process, so the two compare)."""
-        from stree.generation import generate
-
-        m, clock = self.method, _Clock()
-        ids = torch.tensor(tokens, device=_device(target))
+        clock = _Clock()
         start = time.perf_counter()
-        generate(target, draft if m.drafter and m.draft_model else None, ids, 1, temperature=0.0,
-                 eos_token_id=eos, drafter=m.drafter, verifier=m.verifier, method=m.method,
-                 compile=m.compile, streamer=clock)
+        self._generate(target, draft, torch.tensor(tokens, device=_device(target)), 1, eos, clock, cached=False)
         return clock.first - start if clock.first is not None else None
 
 
