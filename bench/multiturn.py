@@ -57,11 +57,12 @@ stree's (``exact``), not required to equal them. vLLM caches a Mamba state at th
 before each prompt's last token (its default ``prefix_cache_retention_interval`` 0; stree's trees
 refuse other values), so a later turn also prefills the previous reply from that boundary on.
 
-Per turn that hits a cache, right after it and with the same method: the TTFT of a fresh prompt of
-only the tokens that turn prefilled, no cache (``fresh_ttft_s``; inside vLLM a request of those
-tokens alone, which no cached block begins); ``ttft_vs_fresh`` is a hit's TTFT against it (the
-fresh prompt runs on caches the hit just warmed; a hit also attends to the history and catches a
-draft up).
+Per turn that hits a cache, with the same method: the TTFT of a fresh prompt of only the tokens
+that turn prefilled, no cache (``fresh_ttft_s``); ``ttft_vs_fresh`` is a hit's TTFT against it (a
+hit also restores states and attends to the history). In stree's loop the references run in a
+round of their own after each turn's round, in the same order, so that each follows another
+configuration's call as each turn does; inside vLLM the reference is a request of those tokens
+alone (which no cached block begins) right after the turn, in the same engine.
 
 It prints a markdown table and writes, under ``--out``, ``multiturn_{sets}_{device}_{date}.csv``
 / ``.json`` (one row per method, mode and turn index, and one over all turns, ``turn`` = "all")
@@ -312,12 +313,8 @@ class Runner:
                         compile=m.compile, streamer=streamer, session=session, prefix_cache=prefix_cache,
                         suffix_cache=self.suffix_cache if cached and m.drafter and session is None else None)
 
-    def turn(self, target, draft, user: list[int], max_new_tokens: int, eos,
-             conversation: list[int] | None = None) -> tuple[list[int], dict]:
-        """Run one user turn; returns the reply and its measurements. ``conversation``: the whole
-        prompt of this turn (history and ``user``); where given and the turn hit a cache, the
-        reference TTFT of a fresh prompt of only the tokens the turn prefilled is measured too
-        (:meth:`_fresh_ttft`)."""
+    def turn(self, target, draft, user: list[int], max_new_tokens: int, eos) -> tuple[list[int], dict]:
+        """Run one user turn; returns the reply and its measurements."""
         from stree.limits import ContextLimitWarning
 
         device = _device(target)
@@ -346,20 +343,17 @@ class Runner:
         s = out.stats
         ttft = (clock.first - start) if clock.first is not None else None
         decode_s = (clock.last - clock.first) if clock.first is not None else 0.0
-        fresh = (self._fresh_ttft(target, draft, conversation[-prefilled:], eos)
-                 if conversation is not None and cached > 0 and prefilled > 0 else None)
         return reply, dict(
             prompt_tokens=prompt_len, input_tokens=len(user), cached_tokens=cached,
-            prefilled_tokens=prefilled, new_tokens=len(reply), ttft_s=ttft, fresh_ttft_s=fresh,
+            prefilled_tokens=prefilled, new_tokens=len(reply), ttft_s=ttft, fresh_ttft_s=None,
             decode_s=decode_s,
             decode_tokens_per_s=(len(reply) - 1) / decode_s if len(reply) > 1 and decode_s > 0 else None,
             total_s=end - start, prefill_s=s.prefill_s, steps=s.steps, target_calls=s.target_calls,
             draft_calls=s.draft_calls, tau=s.tau if s.steps else None, drafter=s.drafter, verifier=s.verifier)
 
-    def _fresh_ttft(self, target, draft, tokens: list[int], eos) -> float | None:
+    def fresh_ttft(self, target, draft, tokens: list[int], eos) -> float | None:
         """TTFT of the same method on a fresh prompt of ``tokens`` alone, no cache of any kind: what
-        prefilling only the tokens a cached turn had to prefill costs (run right after that turn,
-        on the same warm process, so the two compare)."""
+        prefilling only the tokens a cached turn had to prefill costs."""
         clock = _Clock()
         start = time.perf_counter()
         self._generate(target, draft, torch.tensor(tokens, device=_device(target)), 1, eos, clock, cached=False)
@@ -404,7 +398,9 @@ def warm_up(runs: list[Runner], target, draft, conv: Conversation, eos) -> None:
         history: list[int] = []
         for k, user in enumerate(conv.turns[:2]):
             ids = (conv.system if k == 0 else []) + user
-            reply, _ = r.turn(target, draft, ids, WARMUP_TOKENS, eos, history + ids)
+            reply, m = r.turn(target, draft, ids, WARMUP_TOKENS, eos)
+            if m["cached_tokens"]:
+                r.fresh_ttft(target, draft, (history + ids)[-m["prefilled_tokens"]:], eos)
             history += ids + reply
 
 
@@ -431,10 +427,15 @@ def benchmark(cfg: Config, target, draft, eos, encode, bos, meta):
                 ids = (conv.system if k == 0 else []) + user
                 replies = {}
                 for r in runs:
-                    reply, m = r.turn(target, draft, ids, cfg.max_new_tokens, eos, history + ids)
+                    reply, m = r.turn(target, draft, ids, cfg.max_new_tokens, eos)
                     replies[r.label] = [reply]
                     rows.append(dict(meta, set=name, conversation=c, turn=k + 1, mode=r.mode,
                                      method=r.method.label, **m))
+                # the references, in a round of their own in the same order, so that each runs
+                # after another configuration's call as each turn did
+                for r, row in zip(runs, rows[-len(runs):]):
+                    if row["cached_tokens"] and row["prefilled_tokens"]:
+                        row["fresh_ttft_s"] = r.fresh_ttft(target, draft, (history + ids)[-row["prefilled_tokens"]:], eos)
                 error = first_mismatch(replies)
                 if error is not None:
                     return rows, replayed, f"{name} conversation {c} turn {k + 1}: {error.replace('prompt 0: ', '')}"

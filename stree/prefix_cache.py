@@ -256,6 +256,26 @@ class PrefixCache:
         self._lru.move_to_end((node, role))
         return depth
 
+    def resume(self, model, cache, row: int, tokens, *, role: str = "target",
+               limit: int | None = None) -> tuple[int, int]:
+        """Bring row ``row`` of ``cache`` (``model``'s) as far along ``tokens`` (at most ``limit``
+        of them) as this cache serves, for a request that then prefills the rest: restore the
+        deepest snapshot where the row holds nothing or less; then, where ``tokens`` leave a
+        cached path further on (another request shares them: a system prompt), prefill up to
+        that branch point and snapshot there, so that later requests sharing it find it.
+        Returns (tokens the row held before that prefill, of which restored)."""
+        tokens = [int(t) for t in tokens]
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        held, restored = cache.seqlens[row], 0
+        if held == 0 or self.lookup(tokens, role=role, limit=limit) > held:  # a held row: only a deeper hit counts
+            restored = self.restore(model, cache, row, tokens, role=role, limit=limit)
+        held = cache.seqlens[row]
+        branch = min(self.common_prefix(tokens), limit)
+        if branch > held and branch >= self.min_tokens:  # stop the prefill where the prompt leaves a cached path
+            prefill_row(model, cache, row, tokens[held:branch])
+            self.insert(model, cache, row, tokens, role=role)
+        return held, restored
+
     # ------------------------------------------------------------------------------ inserts
     @torch.inference_mode()
     def insert(self, model, cache, row: int, tokens, *, role: str = "target") -> bool:
@@ -354,6 +374,17 @@ class PrefixCache:
 
 
 # ---------------------------------------------------------------------------------- helpers
+def prefill_row(model, cache, row: int, tokens: list[int]) -> None:
+    """Commit ``tokens`` to row ``row`` of ``cache`` (no logits)."""
+    ids = torch.tensor([tokens], dtype=torch.long, device=cache.lengths.device)
+    if cache.batch_size == 1:
+        model.prefill(ids, cache, logits=False)
+        return
+    view = cache.row(row)
+    model.prefill(ids, view, logits=False)
+    cache.seqlens[row] = view.seqlens[0]
+
+
 def _fields(layer) -> dict[str, torch.Tensor]:
     """Every tensor a (non-attention) layer cache holds: its state, whatever the layer kind."""
     return {name: t for name, t in vars(layer).items() if torch.is_tensor(t)}

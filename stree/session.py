@@ -24,7 +24,7 @@ import torch
 
 from stree.draft.suffix_index import SuffixCache
 from stree.limits import context_limit
-from stree.prefix_cache import PrefixCache
+from stree.prefix_cache import PrefixCache, prefill_row
 
 STATEFUL_METHODS = ("tree", "chain", "ar-tree")
 UNBOUNDED = 1 << 40  # a session's max_seqlen for models without a context limit (nothing is allocated for it)
@@ -193,19 +193,9 @@ class Turn:
     def _resume(self, model, role: str, cache, row: int, tokens: list[int]) -> tuple[int, int]:
         """Bring row ``row`` to the longest prefix of ``tokens`` it can have without a prefill
         (at most all but the last token); returns (tokens held, of which restored)."""
-        pc, limit = self.prefix_cache, len(tokens) - 1
-        held = cache.seqlens[row]
-        if pc is None:
-            return held, 0
-        restored = 0
-        if held == 0 or pc.lookup(tokens, role=role, limit=limit) > held:  # a session's later turns: only a deeper hit counts
-            restored = pc.restore(model, cache, row, tokens, role=role, limit=limit)
-        held = cache.seqlens[row]
-        branch = min(pc.common_prefix(tokens), limit)
-        if branch > held and branch >= pc.min_tokens:  # stop the prefill where the prompt leaves a cached path
-            _prefill_row(model, cache, row, tokens[held:branch])
-            pc.insert(model, cache, row, tokens, role=role)
-        return held, restored
+        if self.prefix_cache is None:
+            return cache.seqlens[row], 0
+        return self.prefix_cache.resume(model, cache, row, tokens, role=role, limit=len(tokens) - 1)
 
     def end(self, new: list[list[int]], max_new_tokens: int) -> None:
         """Record the call's end: with ``max_new_tokens=0`` (nothing decoded, nothing prefilled)
@@ -218,7 +208,7 @@ class Turn:
                 continue
             for r, tokens in enumerate(rows):
                 if max_new_tokens == 0 and cache.seqlens[r] < len(tokens):
-                    _prefill_row(model, cache, r, tokens[cache.seqlens[r]:])
+                    prefill_row(model, cache, r, tokens[cache.seqlens[r]:])
                 if self.prefix_cache is not None:
                     self.prefix_cache.insert(model, cache, r, tokens, role=role)
         for stats, n in zip(self.stats, new):
@@ -231,14 +221,3 @@ class Turn:
 
 def _session_seqlen(session: Session, model) -> int:
     return session.max_seqlen or context_limit(model) or UNBOUNDED
-
-
-def _prefill_row(model, cache, row: int, tokens: list[int]) -> None:
-    """Commit ``tokens`` to row ``row`` (no logits)."""
-    ids = torch.tensor([tokens], dtype=torch.long, device=cache.lengths.device)
-    if cache.batch_size == 1:
-        model.prefill(ids, cache, logits=False)
-        return
-    view = cache.row(row)
-    model.prefill(ids, view, logits=False)
-    cache.seqlens[row] = view.seqlens[0]

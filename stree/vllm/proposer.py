@@ -67,6 +67,7 @@ from stree.draft import MergedDrafter, SuffixDrafter
 from stree.draft.base import MAX_LEAD, commit_draft, lead_tensor
 from stree.draft.suffix import ContextIndex
 from stree.kernels import cpu_ops
+from stree.prefix_cache import PrefixCache
 from stree.sampling import SamplingConfig
 from stree.tree import TokenTree
 from stree.vllm.speculative import DraftSpec, draft_size, load_draft
@@ -192,6 +193,11 @@ class StreeProposer:
         self.takes_lead = {greedy: self.model is not None and pair is not None
                            and _levels(pair[0]).takes_lead(self.model, GREEDY if greedy else SamplingConfig(1.0))
                            for greedy, pair in self.pairs.items()}
+        # where vLLM caches prefixes, so does the draft: its state at the end of each request that
+        # leaves the batch, restored by a later request that extends it (a conversation's next turn)
+        caching = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False)
+        self.prefix_cache = (PrefixCache(spec.draft_prefix_cache_bytes)
+                             if self.pool is not None and caching and spec.draft_prefix_cache_bytes else None)
         self.free = list(range(slots))
         self.scratch = list(range(slots, slots + pad))
         # draws of sampled requests without a seed of their own, from vLLM's seed: under tensor
@@ -267,7 +273,11 @@ class StreeProposer:
         self.budget = self.k if budget is None else min(budget, self.k)
         current = set(self.req_ids)
         for rid in [r for r in self.rows if r not in current]:
-            self.free.append(self.rows.pop(rid).slot)
+            row = self.rows.pop(rid)
+            if self.prefix_cache is not None:  # its committed state (a pending tree wrote none)
+                self.prefix_cache.insert(self.model, self.pool.cache([row.slot], [len(row.history)]), 0,
+                                         row.history, role="draft")
+            self.free.append(row.slot)
             self.drafted.pop(rid, None)
         for rid in [r for r in self.contexts if r not in current]:
             row, prompt = self.contexts.pop(rid)  # its output joins the engine's cache
@@ -370,7 +380,7 @@ class StreeProposer:
         for rid, tokens in committed.items():
             row = self.rows.get(rid)
             if row is None or row.history != tokens[:len(row.history)]:
-                row = self._reset(rid, row)
+                row = self._reset(rid, row, tokens)
             if rid in solo:
                 continue
             if rid in leading and 0 < len(tokens) - len(row.history) <= MAX_LEAD:
@@ -504,12 +514,17 @@ class StreeProposer:
         prompt = len(history) - new if entry is None else entry[1]
         self.contexts[rid] = (self.index.new_row(history), prompt)
 
-    def _reset(self, rid: str, row: _Row | None) -> _Row:
-        """A fresh row for ``rid`` (its old slot, or a free one), its slot zeroed."""
+    def _reset(self, rid: str, row: _Row | None, tokens: list[int]) -> _Row:
+        """A fresh row for ``rid`` (its old slot, or a free one) that is to commit ``tokens``: its
+        slot zeroed, or holding what the draft's prefix cache serves of them
+        (:meth:`PrefixCache.resume`)."""
         slot = row.slot if row is not None else self.free.pop()
         params = self.params[self.req_ids.index(rid)]
         row = _Row(rid, slot, getattr(params, "seed", None))
-        self.pool.cache([slot])  # zeroes the slot's state
+        cache = self.pool.cache([slot])  # zeroes the slot's state
+        if self.prefix_cache is not None:
+            self.prefix_cache.resume(self.model, cache, 0, tokens, role="draft")
+            row.history = tokens[:cache.seqlens[0]]
         self.rows[rid] = row
         return row
 

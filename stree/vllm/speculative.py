@@ -35,7 +35,11 @@ their fixed tokens verified by sampling accept too little there to pay for a tre
 tree then drafts nothing for them, a merged one only the draft's part). ``"draft_dtype"``
 (``"float32"`` or ``"bfloat16"``) is the draft model's dtype: default bf16 on a CPU that
 multiplies it natively, else fp32; drafts in any dtype are verified losslessly (the verifier
-reads the probabilities the draft sampled from). Exactness of the
+reads the probabilities the draft sampled from). Where the engine caches prefixes
+(``enable_prefix_caching``) the draft model keeps its own :class:`~stree.PrefixCache` of draft
+states at the ends of earlier requests (``"draft_prefix_cache_bytes"``, default 256 MiB; 0:
+none), so that a request resuming a conversation does not prefill the draft over all of it
+(:mod:`stree.vllm.proposer`). Exactness of the
 Mamba layers under speculation on CPU comes from :mod:`stree.vllm.cpu_spec` and
 :mod:`stree.vllm.accepted_counts`.
 """
@@ -56,9 +60,11 @@ SUFFIX_SAMPLED = "suffix_sampled"
 # the draft model's dtype (see ``translate``)
 DRAFT_DTYPE = "draft_dtype"
 DRAFT_DTYPES = ("float32", "bfloat16")
+# the bound of the draft's own prefix cache (see ``translate``)
+DRAFT_PREFIX_CACHE = "draft_prefix_cache_bytes"
 # keys of stree's dict; every other key is refused (no silent typos)
 KEYS = {"method", "model", "tree", "verifier", "num_speculative_tokens", SCHEDULE, "suffix_cache_requests",
-        "suffix_cache_tokens", SUFFIX_SAMPLED, DRAFT_DTYPE}
+        "suffix_cache_tokens", SUFFIX_SAMPLED, DRAFT_DTYPE, DRAFT_PREFIX_CACHE}
 # the targets (architectures as vLLM resolves them) whose vLLM classes are built from the layer
 # kinds stree verifies over a tree, Mamba2 mixers and plain causal attention (stree.vllm.targets
 # checks the built layers again), each tested inside vLLM (docs/vllm.md); every other one is refused
@@ -82,8 +88,9 @@ class DraftSpec:
     lossless default for the draft, stree's rule), the bounds of the engine's cache of earlier
     outputs that suffix trees draft from (0 requests: no cache), whether suffix trees draft for
     sampled requests (else a suffix tree drafts nothing for them and a merged tree only the
-    draft's part), the dtype the draft model runs in, and whether chains under SpS go to vLLM's
-    rejection sampler (else stree verifies them like trees)."""
+    draft's part), the dtype the draft model runs in, whether chains under SpS go to vLLM's
+    rejection sampler (else stree verifies them like trees), and the bound in bytes of the draft
+    model's prefix cache where the engine caches prefixes (0: none)."""
 
     model: str | None
     tree: str
@@ -93,6 +100,7 @@ class DraftSpec:
     suffix_sampled: bool = True
     draft_dtype: str = "float32"
     vllm_sps: bool = True
+    draft_prefix_cache_bytes: int = 1 << 28
 
     @property
     def stree_verifies(self) -> bool:
@@ -278,6 +286,9 @@ def translate(config: dict, target_vocab_size: int) -> dict:
         suffix_sampled = not current_platform.is_cpu()
     elif not isinstance(suffix_sampled, bool):
         raise ValueError(f"speculative_config: {SUFFIX_SAMPLED} must be true or false, got {suffix_sampled!r}")
+    prefix_bytes = config.get(DRAFT_PREFIX_CACHE, DraftSpec.draft_prefix_cache_bytes)
+    if isinstance(prefix_bytes, bool) or not isinstance(prefix_bytes, int) or prefix_bytes < 0:
+        raise ValueError(f"speculative_config: {DRAFT_PREFIX_CACHE} must be an int >= 0, got {prefix_bytes!r}")
     draft_dtype = config.get(DRAFT_DTYPE)
     if draft_dtype is None:  # the CPU default: see docs/vllm.md
         draft_dtype = default_draft_dtype() if current_platform.is_cpu() else "float32"
@@ -287,7 +298,7 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     vllm_sps = verifier == "sps" or not current_platform.is_cpu()
     spec = DraftSpec(model=str(config["model"]) if config.get("model") else None, tree=tree,
                      verifier=None if verifier is None else str(verifier), suffix_sampled=suffix_sampled,
-                     draft_dtype=draft_dtype, vllm_sps=vllm_sps, **bounds)
+                     draft_dtype=draft_dtype, vllm_sps=vllm_sps, draft_prefix_cache_bytes=prefix_bytes, **bounds)
     try:  # the verifier is checked against the whole tree, whether or not sampled requests draft it
         replace(spec, suffix_sampled=True).pair(SamplingConfig(temperature=1.0))
     except ValueError as err:

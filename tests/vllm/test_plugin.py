@@ -289,6 +289,20 @@ def test_draft_dtype_defaults_to_bf16_on_a_cpu_that_multiplies_it(monkeypatch):
     assert DraftSpec.from_env().draft_dtype == "float32"
 
 
+def test_draft_prefix_cache_bound_passes_through_and_bad_values_are_refused(monkeypatch):
+    from stree.vllm.speculative import DRAFT_PREFIX_CACHE, ENV, DraftSpec, translate
+
+    monkeypatch.setenv(ENV, "")
+    chain = {"method": "stree", "model": "models/stree-tiny/draft", "tree": "chain:4"}
+    translate(chain, 4096)
+    assert DraftSpec.from_env().draft_prefix_cache_bytes == DraftSpec.draft_prefix_cache_bytes > 0
+    translate({**chain, DRAFT_PREFIX_CACHE: 0}, 4096)
+    assert DraftSpec.from_env().draft_prefix_cache_bytes == 0
+    for bad in (-1, True, "1G"):
+        with pytest.raises(ValueError, match=f"{DRAFT_PREFIX_CACHE} must be an int >= 0"):
+            translate({**chain, DRAFT_PREFIX_CACHE: bad}, 4096)
+
+
 def test_the_layers_are_registered_in_vllms_registries():
     """The plugin puts its tree attention backend and Mamba2 mixer where vLLM looks them up (its
     backend registry, its out-of-tree layer registry), not in wrappers around vLLM's functions;

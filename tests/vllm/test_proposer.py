@@ -43,11 +43,12 @@ def test_draft_levels_compiled_with_vllm_compile(monkeypatch, tree, compiles):
         assert getattr(compiled.model, "_stree_compiled", None) is not None  # its compiled steps ran
 
 
-def _config(tree: str, enforce_eager: bool, max_num_seqs: int) -> SimpleNamespace:
+def _config(tree: str, enforce_eager: bool, max_num_seqs: int, prefix_caching: bool = False) -> SimpleNamespace:
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=draft_size(tree)),
                            model_config=SimpleNamespace(enforce_eager=enforce_eager, max_model_len=256,
                                                         uses_mrope=False),
-                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+                           cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
 
 
 def _run(proposer: StreeProposer, schedule: list[list[str]], histories: dict, params: dict,
@@ -318,3 +319,46 @@ def test_solo_steps_leave_the_draft_behind_drafting_what_a_fresh_prefill_does(mo
     # solo while the pattern repeats; the draft model after new text, caught up over three solo
     # steps' tokens and the new ones, and again after one solo step
     assert ran == [False, False, False, True, True, False, True]
+
+
+def _conversation(proposer: StreeProposer) -> list[list[int]]:
+    """A conversation's first turn (request "t1", three steps), another request, then its second
+    turn ("t2": t1's whole history and new user tokens, three steps); each step commits part of
+    its draft and a token of its own. Returns every step's drafts."""
+    drafts, history = [], [(7 * i) % 50 + 3 for i in range(24)]
+    for rid, steps in (("t1", 3), ("other", 1), ("t2", 3)):
+        h = list(range(40, 60)) if rid == "other" else history + ([9, 8, 7, 6] if rid == "t2" else [])
+        for step in range(steps):
+            proposer.bind([rid])
+            tokens = proposer.propose([[h[-1]]], [len(h)], torch.tensor([h]))[0]
+            drafts.append(tokens)
+            h = h + tokens[:step % 3] + [(5 * step) % 40 + 3]
+        if rid == "t1":
+            history = h
+    return drafts
+
+
+@pytest.mark.parametrize("tree", ["caterpillar:2,2,2", "caterpillar:2,2,2+suffix:16"])
+def test_a_resumed_conversation_restores_the_drafts_state(monkeypatch, tree):
+    """Where vLLM caches prefixes the draft keeps its state at the end of each request that leaves
+    the batch, and a later request extending it (the conversation's next turn) restores it instead
+    of prefilling the draft over the whole history: its drafts equal those of a proposer without
+    the cache; ``draft_prefix_cache_bytes=0`` turns it off."""
+    def proposer(prefix_caching: bool) -> StreeProposer:
+        config = _config(tree, True, 2, prefix_caching)
+        config.model_config.get_vocab_size = lambda: 4096
+        return StreeProposer(config)
+
+    monkeypatch.setenv(ENV, "")
+    DraftSpec(DRAFT, tree).to_env()
+    cached, uncached = proposer(True), proposer(False)
+    assert uncached.prefix_cache is None
+    kept = []
+    original = cached.prefix_cache.insert
+    monkeypatch.setattr(cached.prefix_cache, "insert", lambda *a, **k: kept.append(len(a[3])) or original(*a, **k))
+    assert _conversation(cached) == _conversation(uncached)
+    t1 = kept[0]  # the committed history t1 left with: more than its prompt less the root
+    assert t1 > 23 and cached.prefix_cache.stats.inserted == 2  # t1's end and the other request's
+    assert cached.prefix_cache.stats.draft_cached_tokens == t1  # t2 prefilled only what follows
+    DraftSpec(DRAFT, tree, draft_prefix_cache_bytes=0).to_env()
+    assert proposer(True).prefix_cache is None
