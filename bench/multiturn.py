@@ -351,12 +351,16 @@ class Runner:
             total_s=end - start, prefill_s=s.prefill_s, steps=s.steps, target_calls=s.target_calls,
             draft_calls=s.draft_calls, tau=s.tau if s.steps else None, drafter=s.drafter, verifier=s.verifier)
 
-    def fresh_ttft(self, target, draft, tokens: list[int], eos) -> float | None:
-        """TTFT of the same method on a fresh prompt of ``tokens`` alone, no cache of any kind: what
-        prefilling only the tokens a cached turn had to prefill costs."""
+    def fresh_ttft(self, target, draft, prompt: list[int], turn: dict, eos) -> float | None:
+        """TTFT of the same method on a fresh prompt of only the tokens a cached turn prefilled (the
+        last ``turn["prefilled_tokens"]`` of its whole ``prompt``), no cache of any kind; None for a
+        turn that hit no cache or prefilled nothing."""
+        n = turn["prefilled_tokens"]
+        if not turn["cached_tokens"] or not n:
+            return None
         clock = _Clock()
         start = time.perf_counter()
-        self._generate(target, draft, torch.tensor(tokens, device=_device(target)), 1, eos, clock, cached=False)
+        self._generate(target, draft, torch.tensor(prompt[-n:], device=_device(target)), 1, eos, clock, cached=False)
         return clock.first - start if clock.first is not None else None
 
 
@@ -399,8 +403,7 @@ def warm_up(runs: list[Runner], target, draft, conv: Conversation, eos) -> None:
         for k, user in enumerate(conv.turns[:2]):
             ids = (conv.system if k == 0 else []) + user
             reply, m = r.turn(target, draft, ids, WARMUP_TOKENS, eos)
-            if m["cached_tokens"]:
-                r.fresh_ttft(target, draft, (history + ids)[-m["prefilled_tokens"]:], eos)
+            r.fresh_ttft(target, draft, history + ids, m, eos)
             history += ids + reply
 
 
@@ -434,8 +437,7 @@ def benchmark(cfg: Config, target, draft, eos, encode, bos, meta):
                 # the references, in a round of their own in the same order, so that each runs
                 # after another configuration's call as each turn did
                 for r, row in zip(runs, rows[-len(runs):]):
-                    if row["cached_tokens"] and row["prefilled_tokens"]:
-                        row["fresh_ttft_s"] = r.fresh_ttft(target, draft, (history + ids)[-row["prefilled_tokens"]:], eos)
+                    row["fresh_ttft_s"] = r.fresh_ttft(target, draft, history + ids, row, eos)
                 error = first_mismatch(replies)
                 if error is not None:
                     return rows, replayed, f"{name} conversation {c} turn {k + 1}: {error.replace('prompt 0: ', '')}"

@@ -298,7 +298,8 @@ def translate(config: dict, target_vocab_size: int) -> dict:
     vllm_sps = verifier == "sps" or not current_platform.is_cpu()
     spec = DraftSpec(model=str(config["model"]) if config.get("model") else None, tree=tree,
                      verifier=None if verifier is None else str(verifier), suffix_sampled=suffix_sampled,
-                     draft_dtype=draft_dtype, vllm_sps=vllm_sps, draft_prefix_cache_bytes=prefix_bytes, **bounds)
+                     draft_dtype=draft_dtype, vllm_sps=vllm_sps, draft_prefix_cache_bytes=prefix_bytes,
+                     **bounds)
     try:  # the verifier is checked against the whole tree, whether or not sampled requests draft it
         replace(spec, suffix_sampled=True).pair(SamplingConfig(temperature=1.0))
     except ValueError as err:
