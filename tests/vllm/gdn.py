@@ -9,8 +9,8 @@ from __future__ import annotations
 VOCAB = 61
 # how far below the fp32 model's best logit a token that differs from vLLM's own decoding may be:
 # vLLM's own bf16 tokens fall up to 0.05 below it; a compiled tree run's first difference from
-# eager decoding, once, 0.078
-NEAR_TIE = 0.1
+# eager decoding, once, 0.078; TP=2 (bf16 all-reduces) on another CPU than this one's, once, 0.165
+NEAR_TIE = 0.2
 
 
 def qwen3_next_config():
@@ -73,9 +73,12 @@ def qwen3_5_moe(directory, seed: int = 0) -> str:
 def near_tie_differences(target: str, prompts: list[list[int]], own: list[list[int]], tree: list[list[int]],
                          exact=()) -> int:
     """The number of requests whose greedy tokens ``tree`` differ from vLLM's own ``own``; asserts
-    each request ran to its length, the requests of ``exact`` (indices) match, and every first
-    difference is a near-tie of the fp32 model (both tokens within :data:`NEAR_TIE` of its best
-    logit, transformers' own model teacher-forced on the common prefix)."""
+    each request ran to its length, the requests of ``exact`` (indices) match, and every difference
+    stays near-greedy for the fp32 model (transformers' own, teacher-forced on ``tree``'s tokens):
+    at the first difference both tokens, and from there every token of ``tree``, within
+    :data:`NEAR_TIE` of its best logit. Checking every later token, not the first difference only,
+    is what tells bf16 rounding from a wrong state: these random models' logits are flat (a random
+    token is within NEAR_TIE of the best about one time in ten), but not along 16+ tokens."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +93,10 @@ def near_tie_differences(target: str, prompts: list[list[int]], own: list[list[i
         i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
         oracle = oracle or AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         with torch.no_grad():
-            logits = oracle(torch.tensor([prompt + a[:i]])).logits[0, -1]
-        gaps = (logits.max() - logits[[a[i], b[i]]]).tolist()
-        assert max(gaps) <= NEAR_TIE, f"prompt {prompt}: token {i} differs ({a[i]} vs {b[i]}), not a near-tie: {gaps}"
+            logits = oracle(torch.tensor([prompt + b])).logits[0, len(prompt) - 1:-1]
+        gaps = logits.max(-1).values - logits.gather(-1, torch.tensor(b)[:, None])[:, 0]
+        own_gap = (logits[i].max() - logits[i, a[i]]).item()
+        assert own_gap <= NEAR_TIE, f"prompt {prompt}: token {i} differs ({a[i]} vs {b[i]}), {a[i]} {own_gap} below"
+        late = [(j, round(g, 3)) for j, g in enumerate(gaps.tolist()) if j >= i and g > NEAR_TIE]
+        assert not late, f"prompt {prompt}: differs from token {i} on, not near-greedy at (token, gap) {late}"
     return differing
