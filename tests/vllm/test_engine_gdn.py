@@ -135,9 +135,9 @@ def test_aborted_and_late_requests_equal_vllm_greedy(runs):
 
 
 def test_the_near_greedy_check_fails_a_request_decoded_from_a_wrong_state(tmp_path):
-    """The control for the bf16 comparisons above: each prompt's greedy tokens pass the check
-    against themselves; decoded as if another prompt's state were its own (the other prompt, then
-    this one's last token), they fail it for every pair of prompts."""
+    """The control for the bf16 comparisons above (which vLLM's bf16 outputs pass): a request
+    decoded as if another prompt's state were its own (the other prompt, then this one's last
+    token) fails the check against the fp32 model's greedy tokens, for every pair of prompts."""
     from transformers import AutoModelForCausalLM
 
     target = gdn.qwen3_5(tmp_path / "qwen3_5")
@@ -148,7 +148,6 @@ def test_the_near_greedy_check_fails_a_request_decoded_from_a_wrong_state(tmp_pa
         return out[0, len(ids):].tolist()
 
     right = [greedy(p) for p in PROMPTS]
-    assert gdn.near_tie_differences(target, PROMPTS, right, right) == 0
     for r, prompt in enumerate(PROMPTS):
         for other in PROMPTS[:r] + PROMPTS[r + 1:]:
             with pytest.raises(AssertionError, match="near-greedy|differs"):
