@@ -94,9 +94,9 @@ def near_tie_differences(target: str, prompts: list[list[int]], own: list[list[i
         oracle = oracle or AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         with torch.no_grad():
             logits = oracle(torch.tensor([prompt + b])).logits[0, len(prompt) - 1:-1]
-        gaps = logits.max(-1).values - logits.gather(-1, torch.tensor(b)[:, None])[:, 0]
+        gaps = (logits.max(-1).values - logits.gather(-1, torch.tensor(b)[:, None])[:, 0]).tolist()
         own_gap = (logits[i].max() - logits[i, a[i]]).item()
         assert own_gap <= NEAR_TIE, f"prompt {prompt}: token {i} differs ({a[i]} vs {b[i]}), {a[i]} {own_gap} below"
-        late = [(j, round(g, 3)) for j, g in enumerate(gaps.tolist()) if j >= i and g > NEAR_TIE]
+        late = [(j, round(g, 3)) for j, g in enumerate(gaps[i:], i) if g > NEAR_TIE]
         assert not late, f"prompt {prompt}: differs from token {i} on, not near-greedy at (token, gap) {late}"
     return differing
