@@ -35,7 +35,8 @@ def run(spec: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     ``"turns": [[ids], ...]`` makes it a conversation from the first prompt (:func:`_converse`).
     ``{"runs": [spec, ...], "env": {...}}`` runs several engines one after another in the one child
     (vLLM imported once: after the first, an engine starts in seconds), the result
-    ``{"runs": [result, ...]}``."""
+    ``{"runs": [result, ...]}``; ``{"refusals": [{...LLM kwargs}, ...]}`` builds engines that must
+    fail to start, the result each one's traceback (None where one started: :func:`refusals`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if not spec.get("processes"):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -65,9 +66,19 @@ def every_step(engine: dict) -> dict:
     return {**engine, "speculative_config": {SCHEDULE: [[1, 1 << 10, k]], SUFFIX_SAMPLED: True, **spec}}
 
 
+def refusals(engines: list[dict], env: dict | None = None) -> list[str | None]:
+    """Build an engine of each of ``engines`` (LLM kwargs over :data:`ENGINE_DEFAULTS`), one after
+    another in one child; each must fail before its engine core starts. Returns each one's
+    traceback (None where an engine started)."""
+    return result(run({"refusals": engines, "env": env or {}}))
+
+
 def _main(spec: dict) -> None:
     from vllm import LLM
 
+    if "refusals" in spec:
+        print(MARK + json.dumps([_refusal(kwargs) for kwargs in spec["refusals"]]), flush=True)
+        return
     if "runs" not in spec:
         llm = LLM(**every_step({**ENGINE_DEFAULTS, **spec["engine"]}))
         print(MARK + json.dumps(_generate(llm, spec)), flush=True)
@@ -78,6 +89,19 @@ def _main(spec: dict) -> None:
         results.append(_generate(llm, run))
         _close(llm)
     print(MARK + json.dumps({"runs": results}), flush=True)
+
+
+def _refusal(kwargs: dict) -> str | None:
+    import traceback
+
+    from vllm import LLM
+
+    try:
+        llm = LLM(**{**ENGINE_DEFAULTS, **kwargs})
+    except Exception:  # noqa: BLE001  (the test reads which, from the traceback)
+        return traceback.format_exc()
+    _close(llm)
+    return None
 
 
 def _generate(llm, spec: dict) -> dict:

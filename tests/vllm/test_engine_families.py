@@ -2,8 +2,8 @@
 written with transformers' ``save_pretrained``; three drafts per family (the same checkpoint, a
 perturbed copy, an unrelated random model), loaded and patched by stree. Greedy output equals
 vLLM's own non-speculative output token for token, four concurrent requests of different
-lengths. (vLLM's CPU attention needs head_dim >= 32, so these
-configs are wider than the main suite's.)"""
+lengths; a family's four engines one after another in one child process. (vLLM's CPU attention
+needs head_dim >= 32, so these configs are wider than the main suite's.)"""
 import pytest
 import torch
 
@@ -85,14 +85,16 @@ def test_stree_equals_vllm_greedy_with_three_drafts(tmp_path, build):
     torch.manual_seed(1)
     build().save_pretrained(tmp_path / "unrelated")
     base = {"model": str(tmp_path / "target"), "skip_tokenizer_init": True}
-    ref = engine.result(engine.run({"engine": base, "prompts": PROMPTS, "sampling": GREEDY}))
-    accepted = {}
-    for draft, tree in (("target", "caterpillar:2,2,2"), ("perturbed", "chain:4"), ("unrelated", "caterpillar:2,2,2")):
+    drafts = (("target", "caterpillar:2,2,2"), ("perturbed", "chain:4"), ("unrelated", "caterpillar:2,2,2"))
+    specs = [{"engine": base, "prompts": PROMPTS, "sampling": GREEDY}]
+    for draft, tree in drafts:
         spec = {"method": "stree", "model": str(tmp_path / draft), "tree": tree}
         if tree.startswith("chain"):
             spec["verifier"] = "sps"  # vLLM's rejection sampler (the CPU default verifies chains in stree)
-        out = engine.result(engine.run({"engine": {**base, "speculative_config": spec}, "prompts": PROMPTS,
-                                        "sampling": GREEDY}))
+        specs.append({"engine": {**base, "speculative_config": spec}, "prompts": PROMPTS, "sampling": GREEDY})
+    ref, *outs = engine.result(engine.run({"runs": specs}))["runs"]  # one child, four engines
+    accepted = {}
+    for (draft, _), out in zip(drafts, outs, strict=True):
         assert out["tokens"] == ref["tokens"], draft
         counts = out["spec"]
         assert counts["vllm:spec_decode_num_drafts"] > 0  # it speculated

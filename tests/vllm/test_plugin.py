@@ -111,39 +111,57 @@ def test_other_vllm_version_refused_at_start_up():
     assert f"stree's vLLM plugin supports vLLM {SUPPORTED_VLLM} only (found vLLM 0.31.0)" in err
 
 
-def test_mamba1_refused_at_start_up(tmp_path):
-    shutil.copy(f"{TARGET}/config.json", tmp_path / "config.json")
+BAD_SPECS = {
+    "caterpillar:x": {"method": "stree", "model": DRAFT, "tree": "caterpillar:x"},
+    "does not run inside vLLM": {"method": "stree", "model": DRAFT, "tree": "auto"},
+    "disagrees": {"method": "stree", "model": DRAFT, "tree": "chain:4", "num_speculative_tokens": 3},
+    "unknown keys": {"method": "stree", "model": DRAFT, "trees": "chain:4"},
+    "needs a sampled chain": {"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2", "verifier": "asps"},
+    "unknown verifier 'bogus'": {"method": "stree", "model": DRAFT, "verifier": "bogus"},
+    "must start at 1": {"method": "stree", "model": DRAFT, "num_speculative_tokens_per_batch_size": [[2, 4, 0]]},
+    "needs 'model'": {"method": "stree", "tree": "chain:4"},
+    "not found": {"method": "stree", "model": "/nonexistent/draft"},
+}
+
+
+@pytest.fixture(scope="module")
+def bad_specs(tmp_path_factory):
+    """Each of :data:`BAD_SPECS` and a draft of another vocabulary (``"vocabulary"``) as the shipped
+    target's speculative_config, and a MambaInLlama checkpoint with Mamba-1 layers (``"mamba1"``),
+    built one after another in one child: ``{key: traceback}``."""
+    from tests.vllm import drafts
+
+    root = tmp_path_factory.mktemp("refused")
+    small = drafts.unrelated(1000, str(root / "small"))
+    (root / "mamba1").mkdir()
+    shutil.copy(f"{TARGET}/config.json", root / "mamba1" / "config.json")
     mamba = json.load(open(f"{TARGET}/mamba_config.json"))
     mamba["ssm_cfg"]["layer"] = "Mamba1"
-    json.dump(mamba, open(tmp_path / "mamba_config.json", "w"))
-    err = _refused_at_start(f"from vllm import LLM; LLM(model={str(tmp_path)!r}, **{engine.ENGINE_DEFAULTS!r})")
-    assert "Mamba-1 layers are not" in err
+    json.dump(mamba, open(root / "mamba1" / "mamba_config.json", "w"))
+    engines = {key: {"model": TARGET, "speculative_config": spec} for key, spec in BAD_SPECS.items()}
+    engines["vocabulary"] = {"model": TARGET, "speculative_config": {"method": "stree", "model": small}}
+    engines["mamba1"] = {"model": str(root / "mamba1")}
+    return dict(zip(engines, engine.refusals(list(engines.values()))))
 
 
-def _with_spec(spec: dict) -> str:
-    return f"from vllm import LLM; LLM(model={TARGET!r}, speculative_config={spec!r}, **{engine.ENGINE_DEFAULTS!r})"
+def _refused_before_the_engine(err: str | None) -> str:
+    assert err is not None, "the engine started"
+    assert "EngineCore" not in err  # refused while vLLM built its config: nothing half-started
+    return err
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"method": "stree", "model": DRAFT, "tree": "caterpillar:x"}, "caterpillar:x"),
-    ({"method": "stree", "model": DRAFT, "tree": "auto"}, "does not run inside vLLM"),
-    ({"method": "stree", "model": DRAFT, "tree": "chain:4", "num_speculative_tokens": 3}, "disagrees"),
-    ({"method": "stree", "model": DRAFT, "trees": "chain:4"}, "unknown keys"),
-    ({"method": "stree", "model": DRAFT, "tree": "caterpillar:2,2", "verifier": "asps"}, "needs a sampled chain"),
-    ({"method": "stree", "model": DRAFT, "verifier": "bogus"}, "unknown verifier 'bogus'"),
-    ({"method": "stree", "model": DRAFT, "num_speculative_tokens_per_batch_size": [[2, 4, 0]]}, "must start at 1"),
-    ({"method": "stree", "tree": "chain:4"}, "needs 'model'"),
-    ({"method": "stree", "model": "/nonexistent/draft"}, "not found"),
-])
-def test_bad_stree_speculative_config_refused_at_start_up(spec, message):
-    assert message in _refused_at_start(_with_spec(spec))
+@pytest.mark.parametrize("message", list(BAD_SPECS))
+def test_bad_stree_speculative_config_refused_at_start_up(bad_specs, message):
+    assert message in _refused_before_the_engine(bad_specs[message])
 
 
-def test_draft_vocabulary_mismatch_refused_at_start_up(tmp_path):
-    from tests.vllm import drafts
-    small = drafts.unrelated(1000, str(tmp_path / "small"))
-    err = _refused_at_start(_with_spec({"method": "stree", "model": small}))
+def test_draft_vocabulary_mismatch_refused_at_start_up(bad_specs):
+    err = _refused_before_the_engine(bad_specs["vocabulary"])
     assert "draft's vocabulary (1000 tokens" in err and "target's (4096)" in err
+
+
+def test_mamba1_refused_at_start_up(bad_specs):
+    assert "Mamba-1 layers are not" in _refused_before_the_engine(bad_specs["mamba1"])
 
 
 def test_trees_on_a_gpu_need_the_opt_in_not_eager_mode(monkeypatch):

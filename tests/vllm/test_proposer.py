@@ -283,15 +283,15 @@ def test_tokens_behind_run_as_the_next_drafts_lead_drafting_what_a_fresh_prefill
     assert set(prefills) == {5}  # before the sixth draft only
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_solo_steps_leave_the_draft_behind_drafting_what_a_fresh_prefill_does(monkeypatch, enforce_eager):
+def test_solo_steps_leave_the_draft_behind_drafting_what_a_fresh_prefill_does(monkeypatch):
     """``caterpillar:2,2,2+suffix:16:solo=2``: where the request's text repeats its suffix tree
     scores 2 or more and the step drafts it alone, the draft model not run and its state not
     caught up; where the text stops repeating the draft model runs again, from a state brought
     up to every token accepted meanwhile. Every step's drafts equal those of a fresh proposer
-    that prefills the whole history."""
+    that prefills the whole history. (Eager: which steps run the draft model is decided before
+    its levels run, compiled or not.)"""
     proposer = _proposers(monkeypatch, "caterpillar:2,2,2+suffix:16:solo=2")
-    drafting = proposer(enforce_eager)
+    drafting = proposer(True)
     drafting.load_model(TARGET)
     levels = []
     draft_levels = drafting.model.draft_levels
