@@ -237,7 +237,7 @@ class AttentionActivations:
         """Add to ``shared`` the flat source and destination indices of the accepted nodes'
         K and V (per cache layout), once per commit."""
         key = ("kv", layer.layout)
-        if key not in shared:
+        if key not in shared and path.shape[1] > 1:
             dst = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
             # padded slots copy the node itself onto a position past the new length: harmless
             src = torch.where(path >= 0, lengths[:, None] + path, dst)  # accepted nodes' scratch
@@ -246,6 +246,8 @@ class AttentionActivations:
 
     def commit(self, layer: AttentionLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
+        if path.shape[1] == 1:  # the root alone: its scratch slot is its committed position
+            return
         src, dst = shared["kv", layer.layout]
         flat = layer.kv.view(-1, layer.kv.shape[-1])
         flat.index_copy_(0, dst, flat.index_select(0, src))  # gathered first: they overlap
@@ -278,6 +280,25 @@ class NodeStates:
         # once per commit by TreeCache.commit; slot 0 for an empty path)
         layer.conv_state.copy_(self.conv.index_select(0, shared["last_slot"]))
         layer.ssm_state.copy_(self.ssm.index_select(0, shared["last_slot"]))
+
+
+@dataclass
+class NextState:
+    """A recurrent layer's state after the root of a root-only tree (``tree_forward``'s step
+    without drafts): conv ``(b, c, w)`` and ssm ``(b, ...)``, in the committed state's dtypes.
+    The commit copies it into the rows that accept the root; nothing is replayed."""
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def tables(self, layer, path, lengths, shared) -> None:
+        if "root_rows" not in shared:  # None: every row accepts its root (the host knows from counts)
+            shared["root_rows"] = None if shared["every_row"] else (path[:, 0] >= 0)
+
+    def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
+               shared: dict) -> None:
+        rows = shared["root_rows"]
+        for old, new in ((layer.conv_state, self.conv), (layer.ssm_state, self.ssm)):
+            old.copy_(new if rows is None else torch.where(rows.view(-1, *[1] * (new.dim() - 1)), new, old))
 
 
 @dataclass
@@ -419,7 +440,8 @@ class TreeCache:
                 raise ValueError(f"counts {list(counts)} do not match the path lengths {checked}")
             counts = checked
             self._check_forwarded(counts)
-        shared = {"rows": torch.arange(self.batch_size, device=path.device)[:, None]}
+        shared = {"rows": torch.arange(self.batch_size, device=path.device)[:, None],
+                  "every_row": all(c > 0 for c in counts)}
         if isinstance(self.pending, LevelPending):
             last = torch.tensor([max(c - 1, 0) for c in counts], device=path.device)
             # each row's last path node's flat NodeStates slot (-1, an empty path: slot 0)

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from stree.steps import Steps, level_step, levels_step, tree_step
+from stree.steps import Steps, level_step, levels_step, root_step, tree_step
 
 BACKEND = "inductor"  # torch.compile's backend for the steps
 # inductor config: weights as graph constants (see above), and linears reading one input
@@ -61,6 +61,7 @@ def compiled_steps(model) -> Steps:
         # functions must not fall back to eager after dynamo's default of 8
         dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
         steps = Steps(tree=Fallback(compile_step(tree_step), tree_step),
+                      root=Fallback(compile_step(root_step), root_step),
                       level=Fallback(compile_step(level_step), level_step),
                       levels=Fallback(compile_step(levels_step), levels_step), static=True)
         model._stree_compiled = steps

@@ -120,16 +120,16 @@ class TreeDecodingMixin:
             raise ValueError(f"tree token {tree.max_token} out of range for vocab size {vocab}")
         cache.reserve(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
-        if tree.num_nodes == 1 and impl == "auto":
-            # a root alone (a step with no drafts): as a one-node level, which keeps the state
-            # after it, so the commit sets that state instead of replaying the root (stree's loop
-            # without drafts: 0.80x -> 0.87x the model's own decoding on the shipped target)
-            root = torch.zeros(tree.batch_size, 1, dtype=torch.long, device=tree.device)
-            return self.level_forward(tree, cache, root, first=True)
         steps = _steps(self)
         span = cache.capacity if steps.static else max(cache.seqlens) + tree.num_nodes
-        tables = _tables(self, tree, tree, cache.lengths, span)
-        logits, acts = steps.tree(self, tree.tokens, cache.states(), tables, impl)
+        if tree.num_nodes == 1 and impl == "auto":
+            # a root alone (a step with no drafts): the recurrence keeps the state after it, which
+            # the commit copies in (no tree tables, no replay, no per-node state slots)
+            tables = _tables(self, tree, None, cache.lengths, span)
+            logits, acts = steps.root(self, tree.tokens, cache.states(), tables)
+        else:
+            tables = _tables(self, tree, tree, cache.lengths, span)
+            logits, acts = steps.tree(self, tree.tokens, cache.states(), tables, impl)
         cache.pending = PendingTree(tree, acts)
         return logits
 

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from stree.cache import NextState
 from stree.layers import attention
 from stree.walk import mixers, walk
 
@@ -25,6 +26,28 @@ def tree_step(model, tokens, layers: dict, tables: dict, impl: str):
                                                                impl=impl, k=tables["consts"][idx])
         else:
             out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)
+        return out
+
+    return walk(model, tokens, run), acts
+
+
+def root_step(model, tokens, layers: dict, tables: dict):
+    """Logits ``(b, 1, vocab)`` of a root-only tree ``tokens (b, 1)`` (a step that drafted
+    nothing) and ``{layer: activations}``: per recurrent layer the :class:`NextState` after the
+    root, computed by the recurrence from its committed state ``layers[idx]``, which stays as it
+    is (the commit copies the new one in); attention K/V go to the scratch slot, which is the
+    root's committed position."""
+    acts = {}
+    attn = attention_tables(model, tables, layers)
+
+    def run(idx, mixer, h):
+        if idx not in tables["kinds"]:
+            out, acts[idx] = attention.tree_forward(attention.view(mixer), h, layers[idx], attn)
+            return out
+        state = layers[idx]
+        out, conv, ssm = tables["kinds"][idx].node_step(mixer, h, state.conv_state, state.ssm_state,
+                                                        tables["consts"][idx])
+        acts[idx] = NextState(conv, ssm)
         return out
 
     return walk(model, tokens, run), acts
@@ -80,6 +103,7 @@ class Steps:
     """The step functions a patched model runs: eager by default; ``stree.capture`` installs
     compiled ones, which need ``static`` shapes (attention over the cache's whole ``capacity``)."""
     tree: Callable = tree_step
+    root: Callable = root_step
     level: Callable = level_step
     levels: Callable = levels_step
     static: bool = False

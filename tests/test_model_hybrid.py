@@ -132,6 +132,39 @@ def test_batch_of_two_with_ragged_prompts():
             check_states(model, cache, oracles[r], row=r)
 
 
+SLOTS = [3, 0]  # the pooled rows' slots: not contiguous, so the cache gathers and scatters them
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["rows", "pool-slots"])
+def test_root_only_trees_step_and_commit_per_row(pooled):
+    """A step that drafted nothing (a root-only tree: the recurrence from the committed state, the
+    commit copies the state after the root in) between tree steps, on a batch of two where one row
+    commits nothing some steps (a finished row), through plain rows and non-contiguous pool slots."""
+    rng = random.Random(7)
+    model = stree.patch(make_hybrid((1,), seed=7))
+    pool = model.allocate_state_pool(5, 64) if pooled else None
+    cache = pool.cache(SLOTS) if pooled else model.allocate_tree_cache(2, 64)
+    prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in (3, 8)]
+    model.prefill([torch.tensor(p) for p in prompts], cache, logits=False)
+    oracles = [StepOracle(model) for _ in prompts]
+    for o, p in zip(oracles, prompts):
+        o.feed(p)
+    for rnd, (n, accept) in enumerate([(1, [1, 1]), (1, [1, 0]), (4, [2, 3]), (1, [0, 1]), (1, [1, 1])]):
+        parents = torch.tensor([[-1, 0, 1, 0][:n]] * 2)
+        tree = TokenTree(torch.randint(0, VOCAB, (2, n)), parents)
+        logits = model.tree_forward(tree, cache)
+        for r in range(2):
+            close(logits[r], oracles[r].node_logits(tree, row=r), f"round {rnd} row {r} logits")
+        paths = [[0, 1, 2][:a] + [-1] * (max(accept) - a) for a in accept]
+        cache.commit(torch.tensor(paths), counts=accept)
+        for r in range(2):
+            if accept[r]:
+                oracles[r].feed([int(tree.tokens[r, j]) for j in paths[r] if j >= 0])
+            # row r alone (for the pool, its slot's own view): the state it left behind
+            check_states(model, pool.cache([SLOTS[r]], seqlens=[cache.seqlens[r]]) if pooled else cache.row(r),
+                         oracles[r], row=0)
+
+
 def test_patched_hybrid_generate_is_unchanged():
     model = make_hybrid((1,), seed=6)
     ids = torch.tensor([[1, 2, 3]])
