@@ -392,3 +392,45 @@ def test_mss_asps_dispatches_on_the_draft_mode(mode, widths, rule):
     alone = simulate(m, widths, mode, run_verifier(rule, sampling), seed=9, sampling=sampling,
                      trials=4000)
     assert torch.equal(both, alone)
+
+
+# ---------------------------------------------------------------- root-only trees
+ROOT_ONLY = [("naive", "deterministic", SamplingConfig(1.0)), ("naive", "iid", SamplingConfig(0.8, top_p=0.9)),
+             ("mss", "iid", SamplingConfig(0.7, top_k=3)), ("mss", "without_replacement", T1),
+             ("sps", "chain", T1), ("asps", "chain", SamplingConfig(0.6)), ("mss+asps", "chain", T1),
+             ("traversal", "iid", T1), ("block", "chain", SamplingConfig(0.8, top_k=3))]
+
+
+def _root_only_pvalue(verify, mode: str, sampling: SamplingConfig) -> float:
+    """A step that drafted nothing, TRIALS times (one batch row each): the emitted token's
+    frequencies against the target's distribution at the root (chi-square p-value); every
+    verdict must accept nothing."""
+    g = torch.Generator().manual_seed(8)
+    logits = make_models(seed=6).L1.expand(TRIALS, 1, V)
+    q = None if mode == "deterministic" else _dist(g).expand(TRIALS, 1, V)
+    tree = TokenTree(torch.randint(0, V, (TRIALS, 1), generator=g), [-1])
+    verdict = verify(Draft(tree, q, mode), logits, g)
+    assert verdict.path.shape == (TRIALS, 1) and not verdict.path.any() and not verdict.num_accepted.any()
+    p = target_probs(logits[:1, 0], sampling)[0].double()
+    counts = torch.bincount(verdict.next_token, minlength=V).double()
+    if counts[p == 0].sum() > 0:
+        return 0.0
+    return float(chisquare(counts[p > 0].numpy(), (p[p > 0] / p.sum() * TRIALS).numpy()).pvalue)
+
+
+@pytest.mark.parametrize("name,mode,sampling", ROOT_ONLY, ids=[f"{n}-{m}" for n, m, _ in ROOT_ONLY])
+def test_root_only_tree_emits_a_target_sample(name, mode, sampling):
+    """What every step that drafts nothing (``auto``'s ``off``, ``ar-tree``) verifies: a tree of
+    its root alone, whose token must be a sample of the target's distribution."""
+    assert _root_only_pvalue(run_verifier(name, sampling), mode, sampling) > ALPHA
+
+
+def test_root_only_control_is_detected():
+    """The same check on a rule that samples the root at T = 1 whatever the request's
+    temperature (through the shared walk's root-only path): it must fail."""
+    sampling = SamplingConfig(0.6)
+
+    def untempered(step, s, g):
+        return torch.full((step.logits.shape[0],), -1), sample_from(target_probs(step.logits, T1), g)
+
+    assert _root_only_pvalue(_buggy(untempered, sampling), "iid", sampling) < ALPHA

@@ -54,6 +54,8 @@ def asps_cells(p: Tensor, q: Tensor, tokens: Tensor) -> Tensor:
     b, k1, v = p.shape
     k = k1 - 1
     p, q = p.double(), q.double()
+    if k == 0:  # the root alone (nothing drafted): its one outcome is a sample of p there
+        return p.clone()
     PN = torch.zeros(b, k1, v, dtype=torch.float64, device=p.device)
     PNs = torch.ones(b, dtype=torch.float64, device=p.device)
     live = torch.ones(b, dtype=torch.bool, device=p.device)

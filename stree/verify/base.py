@@ -139,8 +139,10 @@ def walk(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
     """
     tree = draft.tree
     device = target_logits.device
-    tokens = tree.tokens.to(device)
     b, n, v = target_logits.shape
+    if n == 1:  # a root-only tree (a step that drafted nothing): the rule once, at a root without children
+        return _root_only(draft, target_logits, rule)
+    tokens = tree.tokens.to(device)
     table = children_table(tree.parents.to(device), getattr(tree, "max_children", None))  # (b, n, c)
     rows = torch.arange(b, device=device)
 
@@ -205,3 +207,17 @@ def first_match(step: NodeStep, token: Tensor) -> Tensor:
     c = hit.shape[1]
     first = torch.where(hit, torch.arange(c, device=hit.device), c).min(1).values
     return torch.where(first < c, first, -1)
+
+
+def _root_only(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
+    """:func:`walk` of a one-node tree: the rule's token at the root is the step's token (no
+    children table, no pointers to chase: a one-token step's verify costs what sampling does)."""
+    b, _, v = target_logits.shape
+    device = target_logits.device
+    none = torch.zeros(b, 1, dtype=torch.bool, device=device)
+    _, token = rule(NodeStep(
+        logits=target_logits[:, 0].float(), q=None if draft.q is None else draft.q[:, 0].to(device).float(),
+        child_tokens=torch.zeros(b, 1, dtype=torch.long, device=device), child_valid=none,
+        child_fixed=None if draft.fixed is None else none, child_drawn=None if draft.drawn is None else none))
+    return Verdict(path=torch.zeros(b, 1, dtype=torch.long, device=device),
+                   num_accepted=torch.zeros(b, dtype=torch.long, device=device), next_token=token)
