@@ -1,6 +1,7 @@
 """stree's C++ CPU ops (``csrc/tree_rows.cpp``, ``csrc/tree_attention.cpp``,
 ``csrc/tree_delta.cpp``), built on first use with torch's C++ extension loader and cached per
-source, flags, CPU, Python and torch version under ``$STREE_CACHE`` (default ``~/.cache/stree``).
+source, flags, CPU, Python environment and torch version under ``$STREE_CACHE`` (default
+``~/.cache/stree``).
 
 Serving engines run a decode step as a few fused ops per layer; stree's eager tree rows are a
 dozen small PyTorch ops per layer and tree shape, each paying the interpreter and dispatcher. These
@@ -43,7 +44,11 @@ def _cpu_flags() -> bytes:
 
 
 def _build_dir() -> Path:
-    key = b"".join(source.read_bytes() for source in _SOURCES) + " ".join(_FLAGS).encode() + _cpu_flags()
+    # the environment's prefix too: torch's loader writes that environment's include paths into
+    # the build file, so two environments sharing a directory rebuilt it on every switch (a
+    # minute each), and a build killed halfway left its lock to hang the other's next load
+    key = (b"".join(source.read_bytes() for source in _SOURCES) + " ".join(_FLAGS).encode() + _cpu_flags()
+           + sys.prefix.encode())
     digest = hashlib.sha256(key).hexdigest()[:12]
     root = Path(os.environ.get("STREE_CACHE", Path.home() / ".cache" / "stree"))
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{digest}"
