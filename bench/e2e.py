@@ -253,6 +253,12 @@ def _token_at(tokens: list[int], pos: int):
 def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
     """Run every (temperature, method, prompt); returns (summary rows, per-prompt rows, T=0 error)."""
     summary, per_prompt = [], []
+    if torch.device(cfg.device).type == "cpu":
+        # stree's C++ ops build on the first multi-node tree (a minute, once per environment): a
+        # method whose warm-up drafts none (``auto`` going off) would pay it in its timed run
+        from stree.kernels import cpu_ops
+
+        cpu_ops.ops()
     for temperature in cfg.temperatures:
         tokens: dict[str, list[list[int]]] = {}
         totals: dict[str, GenerationStats] = {}

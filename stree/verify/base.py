@@ -212,8 +212,7 @@ def first_match(step: NodeStep, token: Tensor) -> Tensor:
 def _root_only(draft: Draft, target_logits: Tensor, rule: NodeRule) -> Verdict:
     """:func:`walk` of a one-node tree: the rule's token at the root is the step's token (no
     children table, no pointers to chase: a one-token step's verify costs what sampling does)."""
-    b, _, v = target_logits.shape
-    device = target_logits.device
+    b, device = target_logits.shape[0], target_logits.device
     none = torch.zeros(b, 1, dtype=torch.bool, device=device)
     _, token = rule(NodeStep(
         logits=target_logits[:, 0].float(), q=None if draft.q is None else draft.q[:, 0].to(device).float(),
