@@ -7,8 +7,7 @@ after another."""
 import pytest
 
 from tests.vllm.test_engine_mambainllama import PROMPTS
-from tests.vllm.test_engine_speculative import (GREEDY, SHIPPED_DRAFT, TARGET, _acceptance, own_greedy_of, run_all,
-                                             target_run)
+from tests.vllm.test_engine_speculative import GREEDY, SHIPPED_DRAFT, _acceptance, own_greedy_of, run_all, target_run
 # the shipped target's own greedy output and the three drafts, as in the chain tests
 from tests.vllm.test_engine_speculative import draft_dirs, reference  # noqa: F401
 
