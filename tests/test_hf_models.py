@@ -95,7 +95,7 @@ def test_tree_logits_and_commits_match_own_cached_decoding(case, tmp):
     prompt = [rng.randrange(VOCAB) for _ in range(11)]  # longer than chunk_size=8
     close(model.prefill(torch.tensor([prompt]), cache)[0], oracle.feed(prompt), "prefill logits")
     check_states(model, cache, oracle)
-    for rnd, n in enumerate([9, 5, 12]):
+    for rnd, n in enumerate([9, 1, 5, 1, 12]):  # 1: a root alone (a step that drafted nothing)
         tree = random_tree(rng, n)
         close(model.tree_forward(tree, cache)[0], oracle.node_logits(tree), f"round {rnd} logits")
         node = rng.choice([i for i in range(n) if int(tree.depth[0, i]) >= 1] or [0])
