@@ -3,13 +3,15 @@ checked against mamba-ssm's step along every root-to-node path in test_kernels_c
 test_kernels_tree_scan.py), on trees scattered among other tokens and on state caches with vLLM's
 layouts. tests/vllm/test_trees.py runs both implementations inside the vLLM layers. The gated
 delta rule's op against its eager reference (itself checked against the rule run token by token
-in test_kernels_tree_delta.py, which runs the op there too)."""
+in test_kernels_tree_delta.py, which runs the op there too). The commits of stree's own loop
+(csrc/replay.cpp) against the eager replays, on strided states; the kernel tests also run them
+against their token-by-token oracles (impl="auto")."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from stree.kernels.cpu_ops import ops
-from stree.kernels.replay import conv_replay, ssm_replay_ref
+from stree.kernels.replay import conv_replay, delta_replay, ssm_replay, ssm_replay_ref
 from stree.kernels.tree_conv import tree_conv_ref
 from stree.kernels.tree_delta import tree_delta_ref
 from stree.kernels.tree_scan import tree_scan_ref
@@ -103,7 +105,7 @@ def test_tree_conv_commit_matches_conv_replay(cpu_ops, paths):
     slots, cols, path = torch.tensor([5, 2]), torch.tensor([3, 0]), torch.tensor(paths)
     want = conv_state.clone()
     windows = win.transpose(1, 2).clone()  # (b, c, w - 1), conv_replay's layout
-    conv_replay(windows, xbc, path)
+    conv_replay(windows, xbc, path, impl="ref")
     for r in range(b):
         want[slots[r], :, cols[r]:cols[r] + w - 1] = windows[r]
     cpu_ops.tree_conv_commit(conv_state, slots, cols, win, xbc, path)
@@ -146,6 +148,45 @@ def test_tree_delta_rows_match_the_eager_rule(cpu_ops, parents, per_channel):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("paths", PATHS + [[[0, 4, -1, -1], [-1, -1, -1, -1]]])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_replay_ops_match_the_eager_replays(cpu_ops, paths, per_channel):
+    """conv, Mamba2 and gated delta rule states advanced along paths of different lengths (a row
+    of -1 keeps its state), each state a strided view (slots of a pool, a conv window read
+    channel-last), the activations views of wider rows, against the eager references."""
+    gen = torch.Generator().manual_seed(5 + per_channel)
+    b, n, path = 2, 10, torch.tensor(paths)
+
+    def both(run, *states):  # the op (impl="auto") and the reference on copies of the same views
+        pools = [(s._base if s._base is not None else s) for s in states]
+        copies = [p.clone() for p in pools]
+        run("auto", *states)
+        views = [torch.as_strided(c, s.shape, s.stride(), s.storage_offset()) for c, s in zip(copies, states)]
+        run("ref", *views)
+        for got, want in zip(pools, copies):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    c, w = 12, 4
+    conv = torch.randn(b + 1, w, c, generator=gen)[1:].transpose(1, 2)  # (b, c, w), channels fastest
+    xbc = torch.randn(b, n, c + 3, generator=gen)[..., :c]
+    both(lambda impl, s: conv_replay(s, xbc, path, impl=impl), conv)
+
+    h, p, st, g = 4, 8, 16, 2
+    ssm = torch.randn(b + 2, h, p, st, generator=gen)[1:-1]
+    x = torch.randn(b, n, h, p + 2, generator=gen)[..., :p]
+    dt, A = torch.rand(b, n, h, generator=gen), -torch.rand(h, generator=gen)
+    B = torch.randn(b, n, g, st, generator=gen)
+    both(lambda impl, s: ssm_replay(s, x, dt, A, B, path, impl=impl) if impl == "auto"
+         else ssm_replay_ref(s, x, dt, A, B, path), ssm)
+
+    dk, dv = 16, 24
+    state = torch.randn(b + 1, h, dk, dv, generator=gen)[1:]
+    k = F.normalize(torch.randn(b, n, h, dk + 5, generator=gen)[..., :dk], dim=-1)
+    u = torch.randn(b, n, h, dv, generator=gen)
+    G = -torch.rand(*(b, n, h, dk) if per_channel else (b, n, h), generator=gen).cumsum(1)
+    both(lambda impl, s: delta_replay(s, k, u, G, path, impl=impl), state)
+
+
 def test_bad_inputs_get_clear_errors(cpu_ops):
     def scan(start, parents):  # a two-node tree of 4 tokens, 2 heads, 1 group, state size 8
         cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
@@ -173,6 +214,11 @@ def test_bad_inputs_get_clear_errors(cpu_ops):
         x = torch.randn(1, 2, 1, 4, dtype=torch.float64)
         cpu_ops.tree_delta_rows(x, x, x, torch.zeros(1, 2, 1), torch.ones(1, 2, 1), torch.ones(1, 2, 2).bool().tril(),
                                 torch.zeros(1, 1, 4, 4))
+    with pytest.raises(RuntimeError, match="delta_replay_rows: path node out of range"):
+        cpu_ops.delta_replay_rows(torch.zeros(1, 1, 4, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4),
+                                  torch.zeros(1, 2, 1), torch.tensor([[0, 2]]))
+    with pytest.raises(RuntimeError, match="conv_replay_rows: path must be a contiguous"):
+        cpu_ops.conv_replay_rows(torch.zeros(1, 4, 3), torch.zeros(1, 2, 4), torch.tensor([[0, 1]]).int())
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_ops.tree_scan_commit(torch.zeros(2, 2, 4, 8), torch.tensor([0]), torch.zeros(1, 2, 4, 8),
                                  torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2), -torch.ones(2), torch.zeros(1, 2, 1, 8),

@@ -184,9 +184,10 @@ def oracle_conv_replay(conv_state, xbc, path):
     return out
 
 
+@pytest.mark.parametrize("impl", ["auto", "ref"])  # auto: the C++ op on these fp32 CPU tensors
 @pytest.mark.parametrize("w", [1, 2, 4])
 @pytest.mark.parametrize("tree", ["one_node", "deep_chain12", "binary63"])
-def test_conv_replay_every_path_length(tree, w):
+def test_conv_replay_every_path_length(tree, w, impl):
     rows = batch_of(TREES[tree])
     args = make_inputs(rows, w=w)
     n = len(rows[0])
@@ -197,18 +198,19 @@ def test_conv_replay_every_path_length(tree, w):
     for end in path_to(rows[0], deepest):
         path = padded_paths(rows, [end, n - 1 - end], k)
         state = args["conv_state"].clone()
-        conv_replay(state, args["xbc"], path)
+        conv_replay(state, args["xbc"], path, impl=impl)
         assert_close(state, oracle_conv_replay(args["conv_state"], args["xbc"], path),
                      torch.float32, f"conv_state after path to node {end}")
 
 
+@pytest.mark.parametrize("impl", ["auto", "ref"])
 @pytest.mark.parametrize("w", [2, 4])
-def test_conv_replay_arbitrary_node_lists(w):
+def test_conv_replay_arbitrary_node_lists(w, impl):
     """Replay takes any node list, not only root-first paths."""
     args = make_inputs(batch_of(chain(8)), w=w)
     path = torch.tensor([[3, 1, 6, -1, -1], [7, 2, 5, 0, 4]])
     state = args["conv_state"].clone()
-    conv_replay(state, args["xbc"], path)
+    conv_replay(state, args["xbc"], path, impl=impl)
     assert_close(state, oracle_conv_replay(args["conv_state"], args["xbc"], path), torch.float32,
                  "conv_state")
 

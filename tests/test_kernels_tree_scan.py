@@ -289,7 +289,7 @@ REPLAY_TREES = {"one_node": [-1], "chain6": chain(6), "binary31": full_binary(31
                 "random40": random_tree(40, seed=7)}
 
 
-@pytest.mark.parametrize("impl", ["triton", "ref"])
+@pytest.mark.parametrize("impl", ["triton", "auto", "ref"])  # auto: the C++ op on the CPU
 @pytest.mark.parametrize("tree", list(REPLAY_TREES), ids=list(REPLAY_TREES))
 def test_ssm_replay_every_path_length(tree, impl):
     parents = REPLAY_TREES[tree]
@@ -304,8 +304,8 @@ def test_ssm_replay_every_path_length(tree, impl):
         other = n - 1 - end
         path = padded_paths(rows, [end, other], k)
         state = kw["initial_states"].clone()
-        replay = ssm_replay if impl == "triton" else ssm_replay_ref
-        kwargs = dict(impl="triton") if impl == "triton" else {}
+        replay = ssm_replay_ref if impl == "ref" else ssm_replay
+        kwargs = {} if impl == "ref" else dict(impl=impl)
         with nan_filled_empty():
             replay(state, args["x"], dt_out, args["A"], args["B"], path, **kwargs)
         assert_close(state[0], states[0, end], torch.float32, f"row 0 state at node {end}")

@@ -1,5 +1,5 @@
 """stree's C++ CPU ops (``csrc/tree_rows.cpp``, ``csrc/tree_attention.cpp``,
-``csrc/tree_delta.cpp``), built on first use with torch's C++ extension loader and cached per
+``csrc/tree_delta.cpp``, ``csrc/replay.cpp``), built on first use with torch's C++ extension loader and cached per
 source, flags, CPU, Python environment and torch version under ``$STREE_CACHE`` (default
 ``~/.cache/stree``).
 
@@ -7,7 +7,8 @@ Serving engines run a decode step as a few fused ops per layer; stree's eager tr
 dozen small PyTorch ops per layer and tree shape, each paying the interpreter and dispatcher. These
 ops do a Mamba2 layer's tree conv, tree scan and their commits, gathers and copies included, and an
 attention layer's tree rows over the engine's paged KV cache, one call each; and the gated delta
-rule over a tree (stree's own Gated DeltaNet and KDA verify: ``tree_delta``'s CPU path). Each has
+rule over a tree (stree's own Gated DeltaNet and KDA verify: ``tree_delta``'s CPU path), and the
+commits of stree's own loop (``conv_replay``, ``ssm_replay``, ``delta_replay``). Each has
 an eager reference with the same math (:func:`stree.kernels.tree_conv.tree_conv`,
 :func:`stree.kernels.tree_scan.tree_scan`, :mod:`stree.kernels.replay`,
 :func:`stree.vllm.attention_rows.tree_attention`'s gathered path,
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("tree_rows.cpp", "tree_attention.cpp",
-                                                                   "tree_delta.cpp")]
+                                                                   "tree_delta.cpp", "replay.cpp")]
 # -march=native: built on the machine that runs it; -ffast-math: vectorized exp and sums (the
 # results are compared with the eager references at fp32 tolerances, as the Triton kernels are)
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

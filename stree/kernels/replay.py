@@ -11,6 +11,10 @@ so replay costs one read and one write of each state. ``delta_replay`` does the 
 delta rule layer (Gated DeltaNet, KDA) from what ``tree_delta`` kept:
 
     S <- e^{G_a} S + sum_{j on the path} e^{G_a - G_j} k_j u_j^T        (a: the path's last node)
+
+Each runs as a Triton kernel on CUDA tensors (``ssm_replay``), as one C++ call per layer on fp32
+CPU tensors (``csrc/replay.cpp``: a commit's dozen small eager ops cost more than its arithmetic),
+and as batched PyTorch ops otherwise (the references, and what a compiled step fuses).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from stree.kernels import cpu_ops
 from stree.kernels._common import (check_device, check_float, debug_checks, check_index, check_ndim,
                                    check_shape, use_triton)
 
@@ -97,6 +102,13 @@ def _ssm_replay_triton(ssm_state, x, dt, A, B, path):
     )
 
 
+def _cpu_op(path, *tensors) -> bool:
+    """Whether ``csrc/replay.cpp`` takes this commit: fp32 CPU tensors with dense last axes and a
+    contiguous path, outside a compiled graph (which fuses the reference instead)."""
+    return (not torch.compiler.is_compiling() and path.is_contiguous() and path.dtype == torch.int64
+            and all(t.stride(-1) == 1 for t in tensors) and cpu_ops.usable(*tensors))
+
+
 def path_tables(path):
     """``(rows (b, 1), node (b, k) clamped to >= 0, valid (b, k) bool)`` for gathers along a path;
     built once per commit and shared by every layer."""
@@ -133,12 +145,16 @@ def ssm_replay(ssm_state, x, dt, A, B, path, impl="auto", tables=None):
         dt: (batch, nodes, heads) processed dt (``tree_scan``'s dt_out).
         A: (heads,); B: (batch, nodes, groups, dstate).
         path: (batch, k) int64 node indices, root first, -1 padded at the end.
-        impl: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "ref".
+        impl: "auto" (Triton on CUDA tensors; on the CPU the C++ ``ssm_replay_rows`` for fp32
+            tensors, else the reference), "triton" or "ref".
+        tables: :func:`path_tables` of ``path`` (shared by the layers of one commit), or None.
     """
     if debug_checks():
         _check_ssm_args(ssm_state, x, dt, A, B, path)
     if use_triton(impl, ssm_state):
         _ssm_replay_triton(ssm_state, x, dt, A, B, path)
+    elif impl == "auto" and _cpu_op(path, ssm_state, x, dt, A, B):
+        cpu_ops.ops().ssm_replay_rows(ssm_state, x, dt, A, B, path)
     else:
         _ssm_replay_ref(ssm_state, x, dt, A, B, path, tables)
 
@@ -163,8 +179,8 @@ def _check_conv_args(conv_state, xbc, path):
     check_device(op, conv_state.device, xbc=xbc, path=path)
 
 
-def conv_replay(conv_state, xbc, path, index=None):
-    """Shift the accepted path's pre-conv inputs into ``conv_state``, in place (torch gather).
+def conv_replay(conv_state, xbc, path, index=None, impl="auto"):
+    """Shift the accepted path's pre-conv inputs into ``conv_state``, in place.
 
     Args:
         conv_state: (batch, channels, width), column width-1 newest; becomes the last width
@@ -172,11 +188,16 @@ def conv_replay(conv_state, xbc, path, index=None):
         xbc: (batch, nodes, channels) pre-conv inputs of the tree nodes.
         path: (batch, k) int64 node indices, root first, -1 padded at the end.
         index: :func:`conv_replay_index` of ``path`` (shared by the layers of one commit), or None.
+        impl: "auto" (on the CPU the C++ ``conv_replay_rows`` for fp32 tensors, which needs no
+            ``index``; elsewhere a torch gather) or "ref" (the gather).
     """
     if debug_checks():
         _check_conv_args(conv_state, xbc, path)
     b, c, w = conv_state.shape
     if path.shape[1] == 0:
+        return
+    if impl == "auto" and _cpu_op(path, xbc) and cpu_ops.usable(conv_state):
+        cpu_ops.ops().conv_replay_rows(conv_state, xbc, path)
         return
     if index is None:
         index = conv_replay_index(path, w)
@@ -195,10 +216,10 @@ def conv_replay_index(path, w: int):
     return torch.where(pos < w, pos, w + node)
 
 
-def delta_replay(state, k, u, G, path, tables=None) -> None:
+def delta_replay(state, k, u, G, path, tables=None, impl="auto") -> None:
     """Commit the accepted path into ``state``, in place, from the tree's kept activations:
     ``S <- e^{G_a} S + sum_{j on the path} e^{G_a - G_j} k_j u_j^T`` with ``a`` the path's last
-    node (per key channel for a per-channel ``G``). The same batched products on every device.
+    node (per key channel for a per-channel ``G``).
 
     Args:
         state: ``(batch, heads, dk, dv)`` committed state, updated in place.
@@ -207,8 +228,13 @@ def delta_replay(state, k, u, G, path, tables=None) -> None:
             from :func:`tree_delta`.
         path: ``(batch, steps)`` int64 node indices, root first, -1 padded at the end; a row of
             -1 leaves its state as it was.
-        tables: ``stree.kernels.replay.path_tables(path)``, shared by the layers of a commit.
+        tables: :func:`path_tables` of ``path``, shared by the layers of a commit.
+        impl: "auto" (on the CPU the C++ ``delta_replay_rows`` for fp32 tensors; elsewhere the
+            batched products) or "ref" (the batched products).
     """
+    if impl == "auto" and _cpu_op(path, state, k, u, G):
+        cpu_ops.ops().delta_replay_rows(state, k, u, G, path)
+        return
     rows, node, valid = tables if tables is not None else path_tables(path)
     f32 = torch.float32
     steps = valid.sum(1)  # (b,)

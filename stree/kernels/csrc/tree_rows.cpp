@@ -325,6 +325,12 @@ void tree_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, c
 std::vector<at::Tensor> tree_delta_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& mask,
                                         const at::Tensor& s0);
+// csrc/replay.cpp
+void conv_replay_rows(at::Tensor conv_state, const at::Tensor& xbc, const at::Tensor& path);
+void ssm_replay_rows(at::Tensor ssm_state, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                     const at::Tensor& B, const at::Tensor& path);
+void delta_replay_rows(at::Tensor state, const at::Tensor& k, const at::Tensor& u, const at::Tensor& G,
+                       const at::Tensor& path);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_conv_commit", &tree_conv_commit, "commit of tree_conv_rows along the accepted paths (CPU, fp32)");
@@ -334,4 +340,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_attention_rows", &tree_attention_rows,
         "attention rows of a group of equally shaped trees over a paged KV cache (CPU, fp32)");
   m.def("tree_delta_rows", &tree_delta_rows, "the gated delta rule over a packed token tree (CPU, fp32)");
+  m.def("conv_replay_rows", &conv_replay_rows, "conv windows advanced along the accepted paths, in place (CPU, fp32)");
+  m.def("ssm_replay_rows", &ssm_replay_rows, "Mamba2 states advanced along the accepted paths, in place (CPU, fp32)");
+  m.def("delta_replay_rows", &delta_replay_rows,
+        "gated delta rule states advanced along the accepted paths, in place (CPU, fp32)");
 }
