@@ -7,7 +7,8 @@ levels) and one verify (target ``tree_forward`` + verifier)) this reports:
   ops dispatched from Python inside that layer's mixer (``ops``: top-level aten calls, i.e. what the
   library issues; ``compute``: those of them that are not views, or are views that had to copy
   (a ``reshape`` of non-viewable strides clones), i.e. what launches a kernel on a GPU;
-  ``dispatches``: every aten event including the ones aten ops call internally).
+  ``dispatches``: every aten event including the ones aten ops call internally). A call of stree's
+  C++ CPU ops (``stree.kernels.cpu_ops``) counts as one op that computes.
   Per-layer scopes come from wrapping stree's per-layer entry points in ``record_function`` here
   (nothing in the library is instrumented); ``rest`` is everything outside the mixers (embedding,
   norms, MLPs, LM head, per-tree tables, validation), per call. On CUDA ``kernels`` counts the
@@ -61,6 +62,7 @@ from _common import RESULTS, metadata, result_stem, write_rows  # noqa: E402
 
 SCOPE = "stree::"
 LAUNCH = SCOPE + "launch:"  # one Triton kernel launch (--gpu-path)
+CPU_OP = SCOPE + "cpu_op:"  # one call of stree's C++ CPU ops (outside the dispatcher: one op each)
 _LAUNCHING = [0]  # > 0 while the interpreter runs a kernel
 # Ops that only make a new view of existing storage: host work, but no kernel on a GPU.
 VIEW_OPS = {f"aten::{n}" for n in (
@@ -102,6 +104,10 @@ def layer_scopes():
         attention.tree_forward, lambda a, *r, **k: type(getattr(a, "m", a)).__name__))
     for cls in _activation_classes(cache_mod):
         swap(cls, "commit", _scoped(cls.commit, lambda acts, *a, **k: type(acts).__name__.replace("Activations", "") + ".commit"))
+    from stree.kernels import cpu_ops
+    module = cpu_ops.ops()  # a pybind module: its calls never reach the profiler on their own
+    for name in [] if module is None else [n for n in dir(module) if not n.startswith("_")]:
+        swap(module, name, _scoped(getattr(module, name), lambda *a, _n=name, **k: CPU_OP[len(SCOPE):] + _n))
     try:
         yield
     finally:
@@ -195,9 +201,9 @@ def profile_call(fn, cuda: bool):
     scopes: dict[str, dict] = {}
     top_total = 0
     for e in events:
-        if e.name.startswith("aten::") and _aten_parent(e) is None and not _in_launch(e):
+        if (e.name.startswith("aten::") and _aten_parent(e) is None and not _in_launch(e)) or e.name.startswith(CPU_OP):
             top_total += 1
-        if not e.name.startswith(SCOPE) or _in_scope(e):
+        if not e.name.startswith(SCOPE) or e.name.startswith(CPU_OP) or _in_scope(e):
             continue
         ops = dispatches = kernels = compute = launches = 0
         stack = list(e.cpu_children)
@@ -205,6 +211,9 @@ def profile_call(fn, cuda: bool):
             c = stack.pop()
             if c.name.startswith(LAUNCH):  # a kernel: one launch, its interpreter work not ops
                 launches += 1
+                continue
+            if c.name.startswith(CPU_OP):  # one op that computes, whatever aten calls it makes
+                ops, compute, dispatches = ops + 1, compute + 1, dispatches + 1
                 continue
             if c.name.startswith("aten::"):
                 dispatches += 1
