@@ -297,7 +297,7 @@ def test_memory_carries_over_generate_calls_per_pair_and_setting(tmp_path, monke
     prompt = torch.tensor([1, 2, 3, 4, 5, 6, 7])
 
     def steps(m):
-        return sum(r.n for r in m.taus.values())
+        return m.steps
 
     generate(target, draft, prompt, 24, drafter="auto")
     (greedy,) = auto_memories(target, draft)
@@ -419,6 +419,26 @@ def test_warmup_runs_the_first_candidate_then_chooses():
         assert auto.choose() == "chain:6"
         auto.observe(tree, torch.tensor([[0, -1, -1, -1, -1, -1, -1]]))
     assert auto.memory.steps == 3 and auto.choose() == "chain:1"
+
+
+def test_warmup_teaches_the_profile_not_the_tau_ratios():
+    """The warm-up's verdicts go to the acceptance profile but not to the candidates' measured /
+    predicted tau ratios: its predictions come from a profile still learning, and a ratio to
+    them, kept by a candidate that ran only there, held that candidate down for good."""
+    auto = AutoDrafter(("chain:6", "chain:1"), ForwardCost(0.0, 1e-3, 1e-2), warmup=3,
+                       memory=AutoMemory(), **COSTS)
+    tree = TokenTree(torch.zeros(1, 7, dtype=torch.long), [-1, 0, 1, 2, 3, 4, 5])
+
+    def step():
+        auto.memory.current = auto.choose()
+        auto._step_model = auto.model(auto.memory.current)  # as draft() does
+        auto.observe(tree, torch.tensor([[0, 1, -1, -1, -1, -1, -1]]))
+
+    for _ in range(3):
+        step()
+    assert auto.memory.taus == {} and auto.memory.profile.at_risk[0][0] > 0
+    step()
+    assert list(auto.memory.taus) == [auto.memory.current] and auto.memory.taus[auto.memory.current].n == 1
 
 
 def test_warmup_at_t_above_zero_runs_each_modes_first_candidate():

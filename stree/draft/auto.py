@@ -58,7 +58,8 @@ that way, at T = 0 from the start, at T = 1 once mid-run). At T > 0, where each
 draft mode keeps its own profile, it then runs the first candidate of every other mode
 (``chain:4``, verified by ASpS) for as many steps: a warm-up on the MSS tree alone left the ASpS
 chains looking worse than they are. Last, :data:`OFF` runs for as many steps, so that the
-model's own step is measured before it is weighed against drafting.
+model's own step is measured before it is weighed against drafting. The warm-up's verdicts go to
+the profiles, not to the measured tau ratios (its predictions come from profiles still learning).
 
 One candidate, :data:`OFF`, drafts nothing: the step is the target's one-token step (a
 root-only tree through the loop, what ``method="ar-tree"`` runs) and the draft model runs
@@ -553,9 +554,8 @@ class AutoDrafter(Drafter):
         measurements. A new memory first runs each draft mode's first candidate for ``warmup``
         steps (at T = 0, where one profile serves every mode, just the first candidate), then
         :data:`OFF` for as many."""
-        firsts = self._warmup_order()
-        if self.memory.steps < self.warmup * len(firsts):
-            return firsts[self.memory.steps // self.warmup]
+        if self._warming_up(self.memory.steps):
+            return self._warmup_order()[self.memory.steps // self.warmup]
         rate, probs = {}, {}
         for spec, d in self._drafters.items():
             mode = _model_part(d).mode
@@ -596,6 +596,10 @@ class AutoDrafter(Drafter):
             return OFF
         mem.idle = 0
         return max(drafting, key=rate.get)
+
+    def _warming_up(self, step: int) -> bool:
+        """Whether step ``step`` (0-based, of this memory) runs the warm-up (:meth:`choose`)."""
+        return step < self.warmup * len(self.candidates) and step < self.warmup * len(self._warmup_order())
 
     def _warmup_order(self) -> list[str]:
         """The first draft-model candidate of each profile's draft mode (one profile unless
@@ -662,7 +666,10 @@ class AutoDrafter(Drafter):
                     pooled.max_rank, pooled.max_depth, pooled.decay, pooled.prior_weight)).add(*counts)
         live = [p for p in paths if p[0] >= 0]
         accepted = sum(u >= 0 for p in live for u in p)
-        if self._step_model is not None:  # the measured tau follows drift like the profile
+        # the measured tau follows drift like the profile; not in the warm-up, whose predictions
+        # come from a profile still learning: a ratio to them says little of the candidate, and a
+        # mode's first candidate, run only there, kept it (chain:4 at T = 1, never chosen again)
+        if self._step_model is not None and not self._warming_up(mem.steps - 1):
             mem.taus.setdefault(mem.current, Ratio()).add(
                 accepted, len(live) * self._step_model[0], mem.profile.decay, len(live))
         if isinstance(d, SuffixDrafter) and live:  # what the suffix trees' scores turn into
