@@ -598,7 +598,8 @@ class AutoDrafter(Drafter):
         return max(drafting, key=rate.get)
 
     def _warming_up(self, step: int) -> bool:
-        """Whether step ``step`` (0-based, of this memory) runs the warm-up (:meth:`choose`)."""
+        """Whether step ``step`` (0-based, of this memory) runs the warm-up (:meth:`choose`);
+        the candidates' count bounds its length without building the order, on every step."""
         return step < self.warmup * len(self.candidates) and step < self.warmup * len(self._warmup_order())
 
     def _warmup_order(self) -> list[str]:

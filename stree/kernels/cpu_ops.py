@@ -1,7 +1,7 @@
 """stree's C++ CPU ops (``csrc/tree_rows.cpp``, ``csrc/tree_attention.cpp``,
-``csrc/tree_delta.cpp``, ``csrc/replay.cpp``), built on first use with torch's C++ extension loader and cached per
-source, flags, CPU, Python environment and torch version under ``$STREE_CACHE`` (default
-``~/.cache/stree``).
+``csrc/tree_delta.cpp``, ``csrc/replay.cpp``), built on first use with torch's C++ extension
+loader and cached per source, flags, CPU, Python environment and torch version under
+``$STREE_CACHE`` (default ``~/.cache/stree``).
 
 Serving engines run a decode step as a few fused ops per layer; stree's eager tree rows are a
 dozen small PyTorch ops per layer and tree shape, each paying the interpreter and dispatcher. These

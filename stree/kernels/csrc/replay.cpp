@@ -23,8 +23,8 @@ void check_f32(const at::Tensor& t, const char* op, const char* name) {
 
 // each row's accepted length; path (b, k) contiguous int64, every node below n
 std::vector<int64_t> path_lengths(const at::Tensor& path, int64_t b, int64_t n, const char* op) {
-  TORCH_CHECK(path.device().is_cpu() && path.scalar_type() == at::kLong && path.is_contiguous() && path.dim() == 2
-                  && path.size(0) == b,
+  TORCH_CHECK(path.device().is_cpu() && path.scalar_type() == at::kLong && path.is_contiguous()
+                  && path.dim() == 2 && path.size(0) == b,
               "stree cpu ops: ", op, ": path must be a contiguous (batch, steps) int64 CPU tensor");
   const int64_t k = path.size(1), *p = path.data_ptr<int64_t>();
   std::vector<int64_t> len(b, 0);
@@ -38,7 +38,9 @@ std::vector<int64_t> path_lengths(const at::Tensor& path, int64_t b, int64_t n, 
 
 // rows (of b * heads) per thread: a commit of a short path over a few heads is microseconds of
 // work, less than waking a second thread costs
-int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, work_per_row)); }
+int64_t grain(int64_t work_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, work_per_row));
+}
 
 }  // namespace
 
@@ -51,7 +53,8 @@ void conv_replay_rows(at::Tensor conv_state, const at::Tensor& xbc, const at::Te
               "stree cpu ops: ", op, ": conv_state must be a (batch, channels, width) float32 CPU tensor");
   check_f32(xbc, op, "xbc");
   const int64_t b = conv_state.size(0), c = conv_state.size(1), w = conv_state.size(2), n = xbc.size(1);
-  TORCH_CHECK(xbc.dim() == 3 && xbc.size(0) == b && xbc.size(2) == c, "stree cpu ops: ", op, " shapes differ");
+  TORCH_CHECK(xbc.dim() == 3 && xbc.size(0) == b && xbc.size(2) == c,
+              "stree cpu ops: ", op, " shapes differ");
   const std::vector<int64_t> len = path_lengths(path, b, n, op);
   const int64_t k = path.size(1), *p = path.data_ptr<int64_t>();
   float* cs = conv_state.data_ptr<float>();
@@ -157,7 +160,10 @@ void delta_replay_rows(at::Tensor state, const at::Tensor& k, const at::Tensor& 
         const int64_t node = pp[r * kk + j];
         const float *kj = k_p + r * k.stride(0) + node * k.stride(1) + hh * k.stride(2), *Gj = Gat(node);
         const float* __restrict uj = u_p + r * u.stride(0) + node * u.stride(1) + hh * u.stride(2);
-        for (int64_t c = 0; c < dk; ++c) wk[c] = kj[c] * std::exp(Ga[per_channel ? c : 0] - Gj[per_channel ? c : 0]);
+        for (int64_t c = 0; c < dk; ++c) {
+          const int64_t gc = per_channel ? c : 0;
+          wk[c] = kj[c] * std::exp(Ga[gc] - Gj[gc]);
+        }
         for (int64_t c = 0; c < dk; ++c) {
           float* __restrict row = S + c * t2;
           const float a = wk[c];
