@@ -13,6 +13,7 @@ and a cache over a contiguous run of slots, which are views).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -183,11 +184,12 @@ class _ReplayedActivations:
 
     def tables(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:
+        # built on first use: the C++ replays (fp32 CPU) read the path itself and need neither
         if "path" not in shared:
-            shared["path"] = path_tables(path)
+            shared["path"] = functools.cache(lambda: path_tables(path))
         w = layer.conv_state.shape[2]
         if ("conv", w) not in shared:
-            shared[("conv", w)] = conv_replay_index(path, w)
+            shared[("conv", w)] = functools.cache(lambda: conv_replay_index(path, w))
 
     def commit(self, layer: MambaLayerCache, path: torch.Tensor, lengths: torch.Tensor,
                shared: dict) -> None:

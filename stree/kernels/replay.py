@@ -109,6 +109,15 @@ def _cpu_op(path, *tensors) -> bool:
             and all(t.stride(-1) == 1 for t in tensors) and cpu_ops.usable(*tensors))
 
 
+def _table(table, make):
+    """A commit's table where a reference needs it: ``table`` itself, or built by it when it is a
+    zero-argument callable (a commit shares one, ``functools.cache``d, among its layers, so the
+    C++ path, which reads the path directly, never builds it), or ``make()`` when None."""
+    if table is None:
+        return make()
+    return table() if callable(table) else table
+
+
 def path_tables(path):
     """``(rows (b, 1), node (b, k) clamped to >= 0, valid (b, k) bool)`` for gathers along a path;
     built once per commit and shared by every layer."""
@@ -121,7 +130,7 @@ def _ssm_replay_ref(ssm_state, x, dt, A, B, path, tables=None):
     # Padded steps (-1) have dt = 0: decay 1, no input.
     b, h, p, s = ssm_state.shape
     g, k = B.shape[2], path.shape[1]
-    rows, node, valid = tables if tables is not None else path_tables(path)
+    rows, node, valid = _table(tables, lambda: path_tables(path))
     dt_k = torch.where(valid[..., None], dt[rows, node], 0.0)  # (b, k, h) fp32
     la = dt_k * A
     total = la.sum(1)  # (b, h)
@@ -147,7 +156,8 @@ def ssm_replay(ssm_state, x, dt, A, B, path, impl="auto", tables=None):
         path: (batch, k) int64 node indices, root first, -1 padded at the end.
         impl: "auto" (Triton on CUDA tensors; on the CPU the C++ ``ssm_replay_rows`` for fp32
             tensors, else the reference), "triton" or "ref".
-        tables: :func:`path_tables` of ``path`` (shared by the layers of one commit), or None.
+        tables: :func:`path_tables` of ``path`` (shared by the layers of one commit; or a
+            callable that builds it), or None.
     """
     if debug_checks():
         _check_ssm_args(ssm_state, x, dt, A, B, path)
@@ -187,7 +197,8 @@ def conv_replay(conv_state, xbc, path, index=None, impl="auto"):
             columns of [conv_state, xbc[path nodes]] per row (short paths keep older columns).
         xbc: (batch, nodes, channels) pre-conv inputs of the tree nodes.
         path: (batch, k) int64 node indices, root first, -1 padded at the end.
-        index: :func:`conv_replay_index` of ``path`` (shared by the layers of one commit), or None.
+        index: :func:`conv_replay_index` of ``path`` (shared by the layers of one commit; or a
+            callable that builds it), or None.
         impl: "auto" (on the CPU the C++ ``conv_replay_rows`` for fp32 tensors, which needs no
             ``index``; elsewhere a torch gather) or "ref" (the gather).
     """
@@ -199,8 +210,7 @@ def conv_replay(conv_state, xbc, path, index=None, impl="auto"):
     if impl == "auto" and _cpu_op(path, xbc) and cpu_ops.usable(conv_state):
         cpu_ops.ops().conv_replay_rows(conv_state, xbc, path)
         return
-    if index is None:
-        index = conv_replay_index(path, w)
+    index = _table(index, lambda: conv_replay_index(path, w))
     # src (b, w + n, c): committed columns, then the tree nodes (conv_state^T is contiguous)
     src = torch.cat([conv_state.transpose(1, 2), xbc], dim=1)
     conv_state.transpose(1, 2).copy_(src.gather(1, index[:, :, None].expand(b, w, c)))
@@ -228,14 +238,15 @@ def delta_replay(state, k, u, G, path, tables=None, impl="auto") -> None:
             from :func:`tree_delta`.
         path: ``(batch, steps)`` int64 node indices, root first, -1 padded at the end; a row of
             -1 leaves its state as it was.
-        tables: :func:`path_tables` of ``path``, shared by the layers of a commit.
+        tables: :func:`path_tables` of ``path``, shared by the layers of a commit (or a callable
+            that builds it), or None.
         impl: "auto" (on the CPU the C++ ``delta_replay_rows`` for fp32 tensors; elsewhere the
             batched products) or "ref" (the batched products).
     """
     if impl == "auto" and _cpu_op(path, state, k, u, G):
         cpu_ops.ops().delta_replay_rows(state, k, u, G, path)
         return
-    rows, node, valid = tables if tables is not None else path_tables(path)
+    rows, node, valid = _table(tables, lambda: path_tables(path))
     f32 = torch.float32
     steps = valid.sum(1)  # (b,)
     last = node.gather(1, (steps - 1).clamp(min=0)[:, None])[:, 0]  # (b,) the path's last node
