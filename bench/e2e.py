@@ -1,6 +1,8 @@
 """End-to-end decoding benchmark: tau, acceptance histograms and tokens/s of each method over a prompt set.
 
-Methods (``--methods``), all through ``stree.generate`` with batch size 1, one prompt at a time:
+Methods (``--methods``), all through ``stree.generate``, one request at a time (one prompt, or with
+``--batch N`` N consecutive prompts, each cut to the shortest of them: the model's own decoding
+batches only prompts of one length):
 
 * ``ar``: the target's own autoregressive decoding at its best (``stree.native``: the hybrid's own
   prefill + ``step``; mamba_ssm's own forward with its ``InferenceParams``, replaying the CUDA graph
@@ -40,7 +42,7 @@ accepted-length histogram, tokens/s (all new tokens / all wall time, prefill inc
 verify / replay time split and the speed-up over ``ar`` at the same temperature. It prints a markdown
 table and writes, under ``--out``: ``e2e_*.csv/.json`` (one row per method x temperature, and per
 prompt set when ``--prompts`` names several: ``e2e_humaneval+mtbench_*``),
-``e2e_*_per_prompt.csv.gz`` (one row per prompt, method and temperature) and ``e2e_*.png`` (tau
+``e2e_*_per_prompt.csv.gz`` (one row per request, method and temperature) and ``e2e_*.png`` (tau
 and tokens/s bars, acceptance histograms; needs matplotlib; not committed, ``bench/replot.py``
 redraws it from the JSON), every row tagged with device, commit and date.
 
@@ -131,6 +133,7 @@ class BenchConfig:
     prompt_tokens: int = 1536
     repeat: int = 1
     suffix_cache: bool = False
+    batch: int = 1
 
 
 # ---- setup -------------------------------------------------------------------------------
@@ -150,6 +153,8 @@ def parse_args(argv=None) -> BenchConfig:
                     help="one stree.SuffixCache per method, shared by all its prompts")
     ap.add_argument("--limit", type=int, default=20, help="first N prompts (default 20)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="prompts per request (default 1); it must divide the number of prompts")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                     help="ar | ar-tree | chain:K | tree:SPEC | unrolled:SPEC, the last three optionally "
@@ -157,7 +162,7 @@ def parse_args(argv=None) -> BenchConfig:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None,
                     help="default bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i at T > 0")
+    ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i at T > 0 (a batch with its first prompt's)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--compile", action="store_true",
                     help="also run every method stree can compile (ar, ar-tree, and tree or chain "
@@ -179,12 +184,14 @@ def parse_args(argv=None) -> BenchConfig:
         labels = {m.label for m in methods}
         methods += [Method.parse(m.label + COMPILED) for m in methods
                     if m.compilable and not m.compile and m.label + COMPILED not in labels]
+    if a.batch < 1:
+        ap.error(f"--batch must be >= 1, got {a.batch}")
     dtype = a.dtype or ("bf16" if torch.device(a.device).type == "cuda" else "fp32")
     return BenchConfig(target=target, draft=draft, prompts=a.prompts, limit=a.limit,
                        max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, methods=methods,
                        device=a.device, dtype=dtype, seed=a.seed, out=a.out,
                        no_prepack=a.no_prepack, prompt_tokens=a.prompt_tokens, repeat=a.repeat,
-                       suffix_cache=a.suffix_cache)
+                       suffix_cache=a.suffix_cache, batch=a.batch)
 
 
 def encode_prompts(cfg: BenchConfig, prompt_set: str, tokenizer, device) -> list[torch.Tensor]:
@@ -218,15 +225,27 @@ def heldout_code(limit: int | None) -> list[str]:
 
 # ---- runs --------------------------------------------------------------------------------
 
+def requests(prompts: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+    """``size`` consecutive prompts per request ``(size, l)``, each cut to the shortest of them."""
+    if len(prompts) % size:
+        raise SystemExit(f"--batch {size} does not divide the {len(prompts)} prompts")
+    out = []
+    for i in range(0, len(prompts), size):
+        group = prompts[i:i + size]
+        n = min(len(p) for p in group)
+        out.append(torch.stack([p[:n] for p in group]))
+    return out
+
+
 def run_one(target, draft, ids, method: Method, temperature: float, eos, seed: int,
             max_new_tokens: int, suffix_cache=None):
-    """One ``stree.generate`` call for one prompt; returns its GenerationOutput."""
+    """One ``stree.generate`` call for one request ``ids (b, l)``; returns its GenerationOutput."""
     from stree.generation import generate
 
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=ids.device).manual_seed(seed)
-    return generate(target, draft if method.drafter and method.draft_model else None, ids[None],
+    return generate(target, draft if method.drafter and method.draft_model else None, ids,
                     max_new_tokens, temperature=temperature, eos_token_id=eos,
                     drafter=method.drafter, verifier=method.verifier, method=method.method,
                     generator=generator, compile=method.compile, suffix_cache=suffix_cache)
@@ -269,16 +288,17 @@ def benchmark(cfg: BenchConfig, target, draft, prompts, eos, meta):
                     min(WARMUP_TOKENS, cfg.max_new_tokens))
             totals[method.label] = GenerationStats(method.label)
             tokens[method.label] = []
-        # prompt-major: every method runs on a prompt before the next prompt, so a slow spell of
-        # a shared machine spreads over all methods instead of landing on one
-        for i, ids in enumerate(prompts):
+        # prompt-major: every method runs on a request before the next request, so a slow spell
+        # of a shared machine spreads over all methods instead of landing on one
+        for j, ids in enumerate(prompts):
+            i = j * cfg.batch  # the request's first prompt
             for method in cfg.methods:
                 out = run_one(target, draft, ids, method, temperature, eos, cfg.seed + i,
                               cfg.max_new_tokens, caches[method.label])
-                new = out.sequences[0, len(ids):out.lengths[0]].tolist()
-                tokens[method.label].append(new)
+                l = ids.shape[1]
+                tokens[method.label] += [out.sequences[r, l:out.lengths[r]].tolist() for r in range(len(ids))]
                 totals[method.label].merge(out.stats)
-                per_prompt.append(prompt_row(meta, method, temperature, i, len(ids), out.stats))
+                per_prompt.append(prompt_row(meta, method, temperature, i, l, out.stats))
         for method in cfg.methods:
             tot = totals[method.label]
             print(f"  T={temperature:g} {method.label:<22} tau {tot.tau:5.2f}  "
@@ -406,15 +426,17 @@ def main(argv=None) -> int:
     eos = default_eos(cfg.target, tokenizer)
     summary, per_prompt = [], []
     for prompt_set in cfg.prompts:
-        prompts = encode_prompts(cfg, prompt_set, tokenizer, device)
+        prompts = requests(encode_prompts(cfg, prompt_set, tokenizer, device), cfg.batch)
         meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
                     target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
-                    prompt_set=prompt_set, limit=cfg.limit, n_prompts=len(prompts),
+                    prompt_set=prompt_set, limit=cfg.limit, n_prompts=len(prompts) * cfg.batch,
+                    batch=cfg.batch,
                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos, prepack=prepack,
                     repeat=cfg.repeat, suffix_cache=cfg.suffix_cache,
                     prompt_tokens=cfg.prompt_tokens if prompt_set == "heldout-code" else None)
         print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} | "
-              f"{meta['torch_threads']} torch threads | {len(prompts)} prompts of {prompt_set} | "
+              f"{meta['torch_threads']} torch threads | {meta['n_prompts']} prompts of {prompt_set}, "
+              f"batch {cfg.batch} | "
               f"max {cfg.max_new_tokens} new tokens")
         rows, prompt_rows, error = benchmark(cfg, target, draft, prompts, eos, meta)
         if error is not None:

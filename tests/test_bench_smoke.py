@@ -124,6 +124,28 @@ def test_e2e_runs_several_prompt_sets_into_one_result_set(tmp_path):
     assert stem.startswith("e2e_first+second")
 
 
+def test_e2e_batches_prompts_cut_to_one_length(tmp_path):
+    """``--batch 2``: one request of both prompts, cut to the shorter (the model's own decoding
+    batches one length), every method's greedy rows identical; a batch that does not divide the
+    prompts is refused before anything runs."""
+    models = write_model_dir(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "results"
+    methods = ["ar", "ar-tree", "chain:2", "tree:auto", "nodraft:auto"]
+    assert e2e.main(["--models", str(models), "--prompts", str(prompts), "--limit", "2", "--batch", "2",
+                     "--max-new-tokens", "8", "--temperatures", "0", "1", "--methods", *methods,
+                     "--device", "cpu", "--out", str(out)]) == 0
+    rows = read_rows(out, "e2e_*[0-9].json")
+    assert all(r["batch"] == 2 and r["prompts"] == 2 and r["new_tokens"] > 8 for r in rows)
+    assert all(r["t0_identical"] for r in rows if r["temperature"] == 0)
+    per_request = read_rows(out, "e2e_*_per_prompt.csv.gz")
+    assert len(per_request) == len(methods) * 2
+    assert len({r["prompt_tokens"] for r in per_request}) == 1
+    with pytest.raises(SystemExit, match="does not divide"):
+        e2e.main(["--models", str(models), "--prompts", str(prompts), "--limit", "2", "--batch", "3",
+                  "--methods", "ar", "--device", "cpu", "--out", str(out)])
+
 @pytest.mark.skipif(not prepack_available(), reason="no oneDNN packed linear in this torch build")
 def test_prepack_smoke(tmp_path):
     models = write_model_dir(tmp_path)
