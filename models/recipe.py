@@ -17,8 +17,8 @@ the shipped weights), and described in a model card.
     python models/recipe.py --out models/stree-tiny --target-from models/stree-tiny/target  # draft only
     python models/recipe.py --out /tmp/trial/stree-tiny --budget-minutes 2  # calibration run
     python models/recipe.py --out /tmp/big --device cuda                 # same shapes, big batches, GPU
-    python models/recipe.py --out models/stree-gdn --pair gdn --target-steps 800 --draft-steps 600 \
-        --continuations 1024                                             # the Gated DeltaNet pair
+    python models/recipe.py --out models/stree-gdn --pair gdn --target-steps 800 --draft-steps 1600 \
+        --continuations 2048                                             # the Gated DeltaNet pair
 
 By default each phase runs a fixed number of steps (``--target-steps``, ``--draft-steps``; the
 schedule follows the step count), so a run repeats exactly given the seed, whatever else the machine
