@@ -26,14 +26,17 @@ PREFIX = 32
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """``t(n) = a n^2 + b n + c`` seconds for one ``tree_forward`` over ``n`` nodes."""
+    """``t(n) = a n^2 + b n + c`` seconds for one ``tree_forward`` over ``n`` nodes (of one row)."""
 
     a: float
     b: float
     c: float
 
-    def __call__(self, n: int) -> float:
-        return self.a * n * n + self.b * n + self.c
+    def __call__(self, n: int, rows: int = 1) -> float:
+        """Seconds for ``rows`` rows of ``n`` nodes each: the per-node terms once per row (the
+        linear layers see ``rows * n`` tokens, each row's attention its own nodes), the fixed
+        term once."""
+        return rows * (self.a * n * n + self.b * n) + self.c
 
     @classmethod
     def fit(cls, sizes, seconds) -> "ForwardCost":

@@ -126,6 +126,32 @@ def test_a_backlog_costs_a_prefill_or_rides_in_the_roots_pass_as_a_lead():
     assert auto.model("chain:4")[1] == pytest.approx(no_backlog + cost(17))
 
 
+def test_a_batch_pays_every_rows_nodes_and_is_judged_by_its_rows_furthest_behind():
+    """b rows of n nodes cost the per-node terms b times and the fixed term once; the measured
+    tau counts the rows with the fewest tokens so far (a batch's step count is its slowest
+    row's: tokens a row ahead gains do not shorten it); a finished row is never behind."""
+    target = ForwardCost(1e-5, 2e-3, 1e-2)
+    assert target(5, rows=4) == pytest.approx(4 * (1e-5 * 25 + 2e-3 * 5) + 1e-2)
+    auto = AutoDrafter(("chain:2", OFF), target, memory=memory([0.8]), **COSTS)
+    auto._plan(torch.zeros(4, dtype=torch.long))
+    off = auto.model(OFF)[1]
+    assert off == pytest.approx(target(1, rows=4))
+    auto.memory.current = "chain:2"
+    auto._step_model = auto.model("chain:2")
+    tree = TokenTree(torch.zeros(4, 3, dtype=torch.long), [-1, 0, 1])
+    paths = torch.tensor([[0, 1, 2], [0, -1, -1], [0, 1, -1], [-1, -1, -1]])  # row 3 finished
+    auto.observe(tree, paths)  # every live row was behind (none had a token): tau over rows 0-2
+    tau = auto.memory.taus["chain:2"]
+    assert tau.n == 3 and tau.measured == 6
+    auto._planned = None
+    auto._plan(torch.zeros(4, dtype=torch.long))
+    assert auto._behind == [1]  # 1 token, against rows 0 (3) and 2 (2); row 3 done
+    auto._step_model = auto.model("chain:2")
+    auto.observe(tree, torch.tensor([[0, 1, 2], [0, 1, -1], [0, -1, -1], [-1, -1, -1]]))
+    decay = auto.memory.profile.decay
+    assert tau.n == pytest.approx(3 * decay + 1) and tau.measured == pytest.approx(6 * decay + 2)
+
+
 def test_level_widths_count_the_new_nodes_of_each_level():
     assert level_widths([-1, 0, 0, 1, 2, 3, 4]) == [1, 2, 2]  # depth 3 is never forwarded
     assert level_widths([-1, 0, 1, 2]) == [1, 1, 1]
@@ -226,9 +252,10 @@ def test_draft_times_the_wall_clock_between_consecutive_calls():
             return "draft"
 
     auto._drafters["chain:2"] = Stub()
+    root = torch.zeros(1, dtype=torch.long)  # one row's root
     for t in (1.0, 1.5, 2.25):  # steps of 0.5 s and 0.75 s; the first call starts the clock
         now[0] = t
-        assert auto.draft(None, None, None, None) == "draft"
+        assert auto.draft(None, None, root, None) == "draft"
     timed = auto.memory.times["chain:2"]
     decay = auto.memory.profile.decay
     assert timed.n == pytest.approx(decay + 1)
@@ -236,7 +263,7 @@ def test_draft_times_the_wall_clock_between_consecutive_calls():
     assert timed.modelled == pytest.approx((decay + 1) * auto.model("chain:2")[1])
     auto.prepare(None, None, SamplingConfig())  # a new generation: the gap before its first step is not timed
     now[0] = 100.0
-    auto.draft(None, None, None, None)
+    auto.draft(None, None, root, None)
     assert auto.memory.times["chain:2"].n == pytest.approx(decay + 1)
 
 

@@ -50,6 +50,13 @@ steps (the wall time between consecutive ``draft`` calls, ``clock``): the ratio 
 predicted step time over all candidates scales every prediction, and each candidate's own
 ratio is shrunk to it as its tau ratio is shrunk to 1.
 
+In a batch every row runs its own nodes, so a step's predicted seconds count the per-node cost
+once per row (:class:`ForwardCost` with ``rows``); and a batch decodes until its slowest row is
+done, so a suffix tree's predicted score and every measured tau are those of the rows furthest
+behind (the fewest tokens so far): what a row ahead gains does not shorten the batch. At batch 4
+on the shipped pair, averaging over rows instead chose suffix trees that ran at 0.73-0.86x the
+model's own decoding at T = 0.
+
 It starts from its first candidate, the device's default tree, and runs it for ``warmup`` (8)
 steps before it chooses, so every depth up to the default tree's has been measured before the
 first choice (a short chain, which the uninformed prior favours, would measure only the
@@ -365,6 +372,12 @@ class AutoDrafter(Drafter):
     _lag: int = field(init=False, default=0)
     _lead: bool = field(init=False, default=False)
     _planned: str | None = field(init=False, default=None)
+    _rows: int = field(init=False, default=1)  # rows of this step's batch (each costs its nodes)
+    # tokens each row has emitted in this generation, the rows that have finished, and this
+    # step's rows furthest behind (the fewest tokens; the rows a batch's step count waits for)
+    _emitted: list = field(init=False, default_factory=list)
+    _done: set = field(init=False, default_factory=set)
+    _behind: list = field(init=False, default_factory=lambda: [0])
     _probs: dict = field(init=False, default_factory=dict)  # this step's rank_probs by mode (and pooled hazards)
     _ranks: int = field(init=False, default=1)
 
@@ -455,6 +468,7 @@ class AutoDrafter(Drafter):
     def prepare(self, target, draft, sampling: SamplingConfig) -> None:
         self._step_start = None  # a new generation: the time since the last step is not a step
         self._lag, self._planned, self._probs = 0, None, {}
+        self._emitted, self._done = [], set()
         self._lead = draft is not None and self.takes_lead(draft, sampling)
         self.by_mode = not sampling.is_greedy
         self.index.bind(target)
@@ -502,14 +516,15 @@ class AutoDrafter(Drafter):
             raise ValueError("auto drafter has no cost model: call prepare(target, draft, sampling) or "
                              "pass target_cost and draft_cost")
         if spec == OFF:  # one token per one-token step; the backlog waits for the next draft
-            return 1.0, self.target_cost(1)
+            return 1.0, self.target_cost(1, self._rows)
         suffix = _suffix_part(d)
         if suffix is not None:
             specs = self.index.speculate(suffix.config)
-            score = self.memory.suffix.value(0.5, self.prior_steps) * sum(t.score for t in specs) / len(specs)
+            behind = [specs[r] for r in self._behind]
+            score = self.memory.suffix.value(0.5, self.prior_steps) * sum(t.score for t in behind) / len(behind)
             extra = max(len(t) for t in specs)
             if not d.uses_draft_model:
-                return 1.0 + score, self.target_cost(1 + extra)
+                return 1.0 + score, self.target_cost(1 + extra, self._rows)
         base = _model_part(d)
         p = self.rank_probs(base.mode) if p is None else p
         shape = self._shapes.get(spec)
@@ -521,14 +536,14 @@ class AutoDrafter(Drafter):
         if self._lag and self._lead and self._lag <= MAX_LEAD:  # run in the roots' pass
             widths = [widths[0] + self._lag, *widths[1:]]
         elif self._lag:  # a prefill of its own first
-            backlog = self.draft_cost(self._lag)
-        draft_s = sum(self.draft_cost(n) for n in widths) + backlog
+            backlog = self.draft_cost(self._lag, self._rows)
+        draft_s = sum(self.draft_cost(n, self._rows) for n in widths) + backlog
         tau = expected_tau(parents, p)
         if suffix is None:
-            return tau, self.target_cost(len(parents)) + draft_s
+            return tau, self.target_cost(len(parents), self._rows) + draft_s
         a = tau - 1.0
         return (1.0 + max(a, score) + min(a, score) / 2,
-                self.target_cost(len(parents) + extra) + draft_s)
+                self.target_cost(len(parents) + extra, self._rows) + draft_s)
 
     def rank_probs(self, mode: str) -> list[list[float]]:
         """``p[d][k]`` for children drafted in ``mode``: the pooled profile's, or with
@@ -628,6 +643,12 @@ class AutoDrafter(Drafter):
             mem.times.setdefault(mem.current, Ratio()).add(
                 now - self._step_start, self._step_model[1], mem.profile.decay)
         self._step_start = now
+        self._rows = roots.shape[0]
+        if len(self._emitted) != self._rows:
+            self._emitted = [0] * self._rows
+        live = [r for r in range(self._rows) if r not in self._done] or list(range(self._rows))
+        least = min(self._emitted[r] for r in live)
+        self._behind = [r for r in live if self._emitted[r] == least]
         if self.reads_context:
             self.index.root(roots.tolist())
         mem.current = self.choose()
@@ -667,12 +688,21 @@ class AutoDrafter(Drafter):
                     pooled.max_rank, pooled.max_depth, pooled.decay, pooled.prior_weight)).add(*counts)
         live = [p for p in paths if p[0] >= 0]
         accepted = sum(u >= 0 for p in live for u in p)
-        # the measured tau follows drift like the profile; not in the warm-up, whose predictions
-        # come from a profile still learning: a ratio to them says little of the candidate, and a
-        # mode's first candidate, run only there, kept it (chain:4 at T = 1, never chosen again)
-        if self._step_model is not None and not self._warming_up(mem.steps - 1):
+        # the measured tau follows drift like the profile, over the rows furthest behind (those
+        # it was predicted for); not in the warm-up, whose predictions come from a profile still
+        # learning: a ratio to them says little of the candidate, and a mode's first candidate,
+        # run only there, kept it (chain:4 at T = 1, never chosen again)
+        behind = [paths[r] for r in self._behind if paths[r][0] >= 0]
+        if self._step_model is not None and behind and not self._warming_up(mem.steps - 1):
             mem.taus.setdefault(mem.current, Ratio()).add(
-                accepted, len(live) * self._step_model[0], mem.profile.decay, len(live))
+                sum(u >= 0 for p in behind for u in p), len(behind) * self._step_model[0],
+                mem.profile.decay, len(behind))
+        if len(self._emitted) == len(paths):
+            for r, p in enumerate(paths):
+                if p[0] >= 0:
+                    self._emitted[r] += sum(u >= 0 for u in p)
+                else:
+                    self._done.add(r)
         if isinstance(d, SuffixDrafter) and live:  # what the suffix trees' scores turn into
             scores = sum(t.score for t, p in zip(self.index.speculate(d.config), paths) if p[0] >= 0)
             mem.suffix.add(accepted - len(live), scores, mem.profile.decay, len(live))
