@@ -162,7 +162,8 @@ def parse_args(argv=None) -> BenchConfig:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None,
                     help="default bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i at T > 0 (a batch with its first prompt's)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="prompt i samples with seed + i at T > 0 (a batch with its first prompt's)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--compile", action="store_true",
                     help="also run every method stree can compile (ar, ar-tree, and tree or chain "

@@ -697,7 +697,7 @@ class AutoDrafter(Drafter):
             mem.taus.setdefault(mem.current, Ratio()).add(
                 sum(u >= 0 for p in behind for u in p), len(behind) * self._step_model[0],
                 mem.profile.decay, len(behind))
-        if len(self._emitted) == len(paths):
+        if len(self._emitted) == len(paths):  # (a step this drafter planned: it knows the rows)
             for r, p in enumerate(paths):
                 if p[0] >= 0:
                     self._emitted[r] += sum(u >= 0 for u in p)
