@@ -191,3 +191,39 @@ def test_a_drafter_object_carries_its_own_cache(target):
     drafter = SuffixDrafter(index=ContextIndex(cache))
     generate(target, None, PROMPTS, 20, drafter=drafter)
     assert len(cache) == 2
+
+
+def test_a_conversations_next_turn_extends_the_last_rows_index_as_a_fresh_one_would():
+    """A request whose prompt continues a row the last request left with the same suffix cache
+    (a conversation's next turn) extends that row; its trees equal those of an index built from
+    the whole prompt, though the cache took the last output since. A prompt that does not
+    continue it gets a fresh row."""
+    from stree.draft.suffix_index import SpeculationConfig
+
+    gen = torch.Generator().manual_seed(5)
+    words = [torch.randint(1, 12, (int(n),), generator=gen).tolist() for n in torch.randint(2, 6, (40,))]
+    text = [t for i in torch.randint(0, 40, (300,), generator=gen).tolist() for t in words[i]]
+    cache = SuffixCache()
+    index = ContextIndex(cache)
+    conversation = text[:80]
+    index.start([conversation])
+    configs = [SpeculationConfig(nodes=16, factor=8), SpeculationConfig(nodes=6, depth=3, factor=2)]
+    for turn, end in enumerate((140, 200, 260)):
+        reply, user = text[len(conversation):len(conversation) + 30], text[len(conversation) + 30:end]
+        row = index.rows[0]
+        row.push(reply[:20])  # the loop pushes what it accepted; the reply's end it never saw
+        index.finish([reply])
+        conversation = conversation + reply + user
+        index = ContextIndex(cache)
+        index.start([conversation])
+        assert index.rows[0] is row and row.context == conversation
+        fresh = ContextIndex(cache)
+        fresh.start([conversation])
+        assert fresh.rows[0] is not row
+        for cfg in configs:
+            assert index.speculate(cfg) == fresh.speculate(cfg), (turn, cfg)
+        assert any(s.tokens for cfg in configs for s in index.speculate(cfg))
+    index.finish([[]])
+    other = ContextIndex(cache)
+    other.start([text[1:50]])
+    assert other.rows[0] is not row

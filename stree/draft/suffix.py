@@ -13,6 +13,7 @@ plain :class:`SuffixDrafter`, a merged tree (``stree.draft.merged``) and ``auto`
 """
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -48,12 +49,31 @@ class _Row:
         if self.matcher is not None:
             self.matcher.extend(tokens, self.context)
 
+    def resume(self, prompt: list[int]) -> bool:
+        """Continue this row with ``prompt`` if it extends the row's context (a conversation's
+        next turn): its own trie takes only the new tokens, and the cache, which has taken
+        outputs since, is matched again. Returns False (nothing changed) otherwise."""
+        n = len(self.context)
+        if len(prompt) < n or prompt[:n] != self.context:
+            return False
+        if len(prompt) > n:
+            self.active = self.trie.append(self.sid, prompt[n:], self.active)
+        if self.matcher is not None:
+            self.matcher.rematch(self.context)
+        return True
+
     def speculate(self, config: SpeculationConfig) -> Speculation:
         own = self.trie.best([(u, self.trie.depth[u]) for u in self.active[1:]], config)
         if self.matcher is None:
             return own
         shared = self.matcher.trie.best(self.matcher.candidates(), config)
         return shared if shared.score > own.score else own
+
+
+# the rows the last request left, per suffix cache: a request whose prompt continues one (a
+# conversation's next turn, which resends or holds everything before) extends it instead of
+# indexing the whole conversation again (about 3 ms for 1.4k tokens of code)
+_LAST_ROWS: "weakref.WeakKeyDictionary[SuffixCache, list[_Row]]" = weakref.WeakKeyDictionary()
 
 
 class ContextIndex:
@@ -87,7 +107,15 @@ class ContextIndex:
             self.cache.bind(vocab_size(target))
 
     def start(self, prompts: list[list[int]]) -> None:
-        self.rows = [_Row(p, self.cache, self.trie_depth) for p in prompts]
+        kept = _LAST_ROWS.pop(self.cache, []) if self.cache is not None else []
+        self.rows = []
+        for p in prompts:
+            row = next((r for r in kept if r.trie.max_depth == self.trie_depth and r.resume(p)), None)
+            if row is None:
+                row = _Row(p, self.cache, self.trie_depth)
+            else:
+                kept.remove(row)
+            self.rows.append(row)
         self._rooted, self._specs = False, {}
 
     def root(self, roots: list[int]) -> None:
@@ -115,6 +143,7 @@ class ContextIndex:
         if self.cache is not None:
             for out in outputs:
                 self.cache.add(out)
+            _LAST_ROWS[self.cache] = self.rows
 
 
 # ------------------------------------------------------------------------------ packing
