@@ -85,6 +85,8 @@ class ContextIndex:
     which goes to the shared cache. Several drafters may read one step (``auto``'s candidates):
     the roots are appended once however many call :meth:`root`, and a step nobody rooted gets
     its root from the path; :meth:`observe` is called once a step, by whoever owns the index.
+    :meth:`finish` leaves the rows with the cache, and the next :meth:`start` on that cache
+    extends a row whose context its prompt continues (a conversation's next turn).
     """
 
     def __init__(self, cache: SuffixCache | None = None, trie_depth: int = TRIE_DEPTH):
