@@ -686,29 +686,29 @@ class AutoDrafter(Drafter):
             if self.by_mode:  # each mode's own profile decays only with its own steps
                 mem.by_mode.setdefault(_model_part(d).mode, AcceptanceProfile(
                     pooled.max_rank, pooled.max_depth, pooled.decay, pooled.prior_weight)).add(*counts)
-        live = [p for p in paths if p[0] >= 0]
-        accepted = sum(u >= 0 for p in live for u in p)
+        # each row's path nodes this step (None: a finished row)
+        counts = [sum(u >= 0 for u in p) if p[0] >= 0 else None for p in paths]
+        live = [n for n in counts if n is not None]
         # the measured tau follows drift like the profile, over the rows furthest behind (those
         # it was predicted for); not in the warm-up, whose predictions come from a profile still
         # learning: a ratio to them says little of the candidate, and a mode's first candidate,
         # run only there, kept it (chain:4 at T = 1, never chosen again)
-        behind = [paths[r] for r in self._behind if paths[r][0] >= 0]
+        behind = [counts[r] for r in self._behind if counts[r] is not None]
         if self._step_model is not None and behind and not self._warming_up(mem.steps - 1):
             mem.taus.setdefault(mem.current, Ratio()).add(
-                sum(u >= 0 for p in behind for u in p), len(behind) * self._step_model[0],
-                mem.profile.decay, len(behind))
+                sum(behind), len(behind) * self._step_model[0], mem.profile.decay, len(behind))
         if len(self._emitted) == len(paths):  # (a step this drafter planned: it knows the rows)
-            for r, p in enumerate(paths):
-                if p[0] >= 0:
-                    self._emitted[r] += sum(u >= 0 for u in p)
-                else:
+            for r, n in enumerate(counts):
+                if n is None:
                     self._done.add(r)
+                else:
+                    self._emitted[r] += n
         if isinstance(d, SuffixDrafter) and live:  # what the suffix trees' scores turn into
-            scores = sum(t.score for t, p in zip(self.index.speculate(d.config), paths) if p[0] >= 0)
-            mem.suffix.add(accepted - len(live), scores, mem.profile.decay, len(live))
+            scores = sum(t.score for t, n in zip(self.index.speculate(d.config), counts) if n is not None)
+            mem.suffix.add(sum(live) - len(live), scores, mem.profile.decay, len(live))
         # the loop's backlog: path nodes the draft did not run
-        unrun = max((sum(u >= 0 for u in p) - next((j for j, u in enumerate(p) if u < 0 or not d.ran(u)), len(p))
-                     for p in paths if p[0] >= 0), default=0)
+        unrun = max((n - next((j for j, u in enumerate(p) if u < 0 or not d.ran(u)), len(p))
+                     for p, n in zip(paths, counts) if n is not None), default=0)
         self._lag = (0 if d.uses_draft_model else self._lag) + unrun
         if self.reads_context:
             self.index.observe(tree, path)
