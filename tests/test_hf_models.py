@@ -5,6 +5,7 @@ import copy
 import random
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -53,7 +54,15 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("hf")
 
 
-def close(a, b, what, atol=1e-4):
+# Logits and states pass through every layer's fp32 rounding, and stree's chunked and tree
+# recurrences round differently from the model's own chunked prefill and one-token step: over 700
+# random prompts and trees the largest gap was 3.1e-4 (Qwen3-Next, a node whose final norm also
+# amplifies the model's own fp32-vs-fp64 error eightfold). One node under a wrong parent errs by
+# about 2 there (Qwen3-Next, Kimi Linear, Mamba2).
+TOL = 5e-4
+
+
+def close(a, b, what, atol=TOL):
     err = (a - b).abs().max().item()
     assert err <= atol, f"{what}: max abs error {err:.3g}"
     return err
@@ -85,7 +94,7 @@ def random_tree(rng, n, vocab=VOCAB):
 
 @pytest.mark.parametrize("case", CASES)
 def test_tree_logits_and_commits_match_own_cached_decoding(case, tmp):
-    rng = random.Random(hash(case) % 1000)
+    rng = random.Random(zlib.crc32(case.encode()))  # the same prompt and trees in every process
     model, _ = build(family_of(case), tmp, **CASES[case])
     oracle = StepOracle(model)
     stree.patch(model)
