@@ -126,10 +126,10 @@ def test_a_backlog_costs_a_prefill_or_rides_in_the_roots_pass_as_a_lead():
     assert auto.model("chain:4")[1] == pytest.approx(no_backlog + cost(17))
 
 
-def test_a_batch_pays_every_rows_nodes_and_is_judged_by_its_rows_furthest_behind():
-    """b rows of n nodes cost the per-node terms b times and the fixed term once; the measured
-    tau counts the rows with the fewest tokens so far (a batch's step count is its slowest
-    row's: tokens a row ahead gains do not shorten it); a finished row is never behind."""
+def test_a_batch_pays_every_rows_nodes_and_is_judged_by_its_slowest_row():
+    """b rows of n nodes cost the per-node terms b times and the fixed term once; a step's
+    measured tau is how far it moved the slowest live row (a batch's step count is that row's:
+    tokens a row ahead gains do not shorten it); a finished row is never behind."""
     target = ForwardCost(1e-5, 2e-3, 1e-2)
     assert target(5, rows=4) == pytest.approx(4 * (1e-5 * 25 + 2e-3 * 5) + 1e-2)
     auto = AutoDrafter(("chain:2", OFF), target, memory=memory([0.8]), **COSTS)
@@ -140,16 +140,16 @@ def test_a_batch_pays_every_rows_nodes_and_is_judged_by_its_rows_furthest_behind
     auto._step_model = auto.model("chain:2")
     tree = TokenTree(torch.zeros(4, 3, dtype=torch.long), [-1, 0, 1])
     paths = torch.tensor([[0, 1, 2], [0, -1, -1], [0, 1, -1], [-1, -1, -1]])  # row 3 finished
-    auto.observe(tree, paths)  # every live row was behind (none had a token): tau over rows 0-2
+    auto.observe(tree, paths)  # rows 0-2 from 0 tokens to 3, 1, 2: the slowest moved by 1
     tau = auto.memory.taus["chain:2"]
-    assert tau.n == 3 and tau.measured == 6
+    assert tau.n == 1 and tau.measured == 1 and tau.modelled == pytest.approx(auto._step_model[0])
     auto._planned = None
     auto._plan(torch.zeros(4, dtype=torch.long))
     assert auto._behind == [1]  # 1 token, against rows 0 (3) and 2 (2); row 3 done
     auto._step_model = auto.model("chain:2")
     auto.observe(tree, torch.tensor([[0, 1, 2], [0, 1, -1], [0, -1, -1], [-1, -1, -1]]))
-    decay = auto.memory.profile.decay
-    assert tau.n == pytest.approx(3 * decay + 1) and tau.measured == pytest.approx(6 * decay + 2)
+    decay = auto.memory.profile.decay  # rows at 6, 3, 3: the slowest from 1 to 3
+    assert tau.n == pytest.approx(decay + 1) and tau.measured == pytest.approx(decay + 2)
 
 
 def test_level_widths_count_the_new_nodes_of_each_level():

@@ -52,10 +52,11 @@ ratio is shrunk to it as its tau ratio is shrunk to 1.
 
 In a batch every row runs its own nodes, so a step's predicted seconds count the per-node cost
 once per row (:class:`ForwardCost` with ``rows``); and a batch decodes until its slowest row is
-done, so a suffix tree's predicted score and every measured tau are those of the rows furthest
-behind (the fewest tokens so far): what a row ahead gains does not shorten the batch. At batch 4
-on the shipped pair, averaging over rows instead chose suffix trees that ran at 0.73-0.86x the
-model's own decoding at T = 0.
+done, so a suffix tree's predicted score is that of the rows furthest behind (the fewest tokens
+so far) and a step's measured tau is how far it moved the slowest live row: over a request these
+sum to the tokens the whole batch completes, where a mean over rows overstates what a draft
+gains (at batch 4 on the shipped pair, averaging over all rows chose suffix trees that ran at
+0.73-0.86x the model's own decoding at T = 0).
 
 It starts from its first candidate, the device's default tree, and runs it for ``warmup`` (8)
 steps before it chooses, so every depth up to the default tree's has been measured before the
@@ -689,20 +690,23 @@ class AutoDrafter(Drafter):
         # each row's path nodes this step (None: a finished row)
         counts = [sum(u >= 0 for u in p) if p[0] >= 0 else None for p in paths]
         live = [n for n in counts if n is not None]
-        # the measured tau follows drift like the profile, over the rows furthest behind (those
-        # it was predicted for); not in the warm-up, whose predictions come from a profile still
-        # learning: a ratio to them says little of the candidate, and a mode's first candidate,
-        # run only there, kept it (chain:4 at T = 1, never chosen again)
-        behind = [counts[r] for r in self._behind if counts[r] is not None]
-        if self._step_model is not None and behind and not self._warming_up(mem.steps - 1):
-            mem.taus.setdefault(mem.current, Ratio()).add(
-                sum(behind), len(behind) * self._step_model[0], mem.profile.decay, len(behind))
-        if len(self._emitted) == len(paths):  # (a step this drafter planned: it knows the rows)
-            for r, n in enumerate(counts):
-                if n is None:
-                    self._done.add(r)
-                else:
-                    self._emitted[r] += n
+        rows = [r for r, n in enumerate(counts) if n is not None]
+        if len(self._emitted) != len(paths):  # a step it did not plan: rows new to it
+            self._emitted = [0] * len(paths)
+        # the measured tau follows drift like the profile; it is how far the step moved the batch's
+        # slowest live row (one row: its path nodes), since a batch decodes until that row is done.
+        # Not in the warm-up, whose predictions come from a profile still learning: a ratio to
+        # them says little of the candidate, and a mode's first candidate, run only there, kept
+        # it (chain:4 at T = 1, never chosen again)
+        if self._step_model is not None and rows and not self._warming_up(mem.steps - 1):
+            advance = (min(self._emitted[r] + counts[r] for r in rows)
+                       - min(self._emitted[r] for r in rows))
+            mem.taus.setdefault(mem.current, Ratio()).add(advance, self._step_model[0], mem.profile.decay)
+        for r, n in enumerate(counts):
+            if n is None:
+                self._done.add(r)
+            else:
+                self._emitted[r] += n
         if isinstance(d, SuffixDrafter) and live:  # what the suffix trees' scores turn into
             scores = sum(t.score for t, n in zip(self.index.speculate(d.config), counts) if n is not None)
             mem.suffix.add(sum(live) - len(live), scores, mem.profile.decay, len(live))
