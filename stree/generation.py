@@ -281,11 +281,13 @@ def _loop(side, drafting, verifier, sampling, prompts, max_new_tokens, eos, gene
     done = [max_new_tokens == 0] * b
     if not all(done):
         with timed(stats, "prefill_s", device):
-            last = side.prefill(prompts)
-            drafting.prefill(prompts)
-            roots = sample(last, sampling, generator)
+            roots = sample(side.prefill(prompts), sampling, generator)
+        # the first token needs the target's prefill alone: it reaches the streamer before the
+        # draft's prefill (and the suffix index) run
         for r, tok in enumerate(roots.tolist()):
             done[r] = _emit(new[r], [tok], max_new_tokens, eos, streamer)
+        with timed(stats, "prefill_s", device):
+            drafting.prefill(prompts)
     while not all(done):
         with timed(stats, "draft_s", device):
             d = drafting.draft(roots, sampling, generator)

@@ -177,6 +177,28 @@ def test_streamer_gets_prompt_then_every_token(target, draft, method):
         generate(target, draft, PROMPTS, 5, streamer=s)
 
 
+def test_the_first_token_reaches_the_streamer_before_the_draft_runs(target):
+    """The first token needs the target's prefill alone (time to first token): the draft's
+    prefill comes after it."""
+    draft, events = FakeLM(vocab_size=V, noise=1.5), []
+    prefill = draft.prefill
+
+    def spy(*args, **kwargs):
+        events.append("draft prefill")
+        return prefill(*args, **kwargs)
+
+    class Collect:
+        def put(self, t):
+            events.append(t.numel())
+
+        def end(self):
+            pass
+
+    draft.prefill = spy
+    generate(target, draft, PROMPTS[0][None], 5, streamer=Collect())
+    assert events[:3] == [len(PROMPTS[0]), 1, "draft prefill"]
+
+
 # ---------------------------------------------------------------------------------- errors
 def test_vocab_mismatch(target):
     with pytest.raises(ValueError, match="vocabulary mismatch"):
