@@ -37,7 +37,8 @@ and prefix caches can carry. Suffix-tree drafters draft from the conversation an
 ``stree.SuffixCache`` per conversation, in every mode.
 
 Per turn: TTFT (from the ``generate`` call to the first new token, as a streamer sees it:
-restoring, prefilling what is not cached, the first token), decoding speed (tokens after the
+restoring, the target's prefill of what is not cached, the first token; the draft's prefill
+follows it), decoding speed (tokens after the
 first over the time from the first to the last), cached prompt tokens (the session's held and
 restored tokens; the prefix cache's restored ones), prefilled tokens, and the call's total time.
 Every configuration is warmed up the same way (a two-turn conversation of 8-token replies, its

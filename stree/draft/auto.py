@@ -689,8 +689,8 @@ class AutoDrafter(Drafter):
                     pooled.max_rank, pooled.max_depth, pooled.decay, pooled.prior_weight)).add(*counts)
         # each row's path nodes this step (None: a finished row)
         counts = [sum(u >= 0 for u in p) if p[0] >= 0 else None for p in paths]
-        live = [n for n in counts if n is not None]
         rows = [r for r, n in enumerate(counts) if n is not None]
+        live = [counts[r] for r in rows]
         if len(self._emitted) != len(paths):  # a step it did not plan: rows new to it
             self._emitted = [0] * len(paths)
         # the measured tau follows drift like the profile; it is how far the step moved the batch's
