@@ -690,7 +690,6 @@ class AutoDrafter(Drafter):
         # each row's path nodes this step (None: a finished row)
         counts = [sum(u >= 0 for u in p) if p[0] >= 0 else None for p in paths]
         rows = [r for r, n in enumerate(counts) if n is not None]
-        live = [counts[r] for r in rows]
         if len(self._emitted) != len(paths):  # a step it did not plan: rows new to it
             self._emitted = [0] * len(paths)
         # the measured tau follows drift like the profile; it is how far the step moved the batch's
@@ -707,9 +706,10 @@ class AutoDrafter(Drafter):
                 self._done.add(r)
             else:
                 self._emitted[r] += n
-        if isinstance(d, SuffixDrafter) and live:  # what the suffix trees' scores turn into
-            scores = sum(t.score for t, n in zip(self.index.speculate(d.config), counts) if n is not None)
-            mem.suffix.add(sum(live) - len(live), scores, mem.profile.decay, len(live))
+        if isinstance(d, SuffixDrafter) and rows:  # what the suffix trees' scores turn into
+            specs = self.index.speculate(d.config)
+            mem.suffix.add(sum(counts[r] - 1 for r in rows), sum(specs[r].score for r in rows),
+                           mem.profile.decay, len(rows))
         # the loop's backlog: path nodes the draft did not run
         unrun = max((n - next((j for j, u in enumerate(p) if u < 0 or not d.ran(u)), len(p))
                      for p, n in zip(paths, counts) if n is not None), default=0)
