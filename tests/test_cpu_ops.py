@@ -187,6 +187,32 @@ def test_replay_ops_match_the_eager_replays(cpu_ops, paths, per_channel):
     both(lambda impl, s: delta_replay(s, k, u, G, path, impl=impl), state)
 
 
+def test_replays_take_activations_laid_out_nodes_fastest(cpu_ops, monkeypatch):
+    """A compiled tree step returns ``u`` and ``G`` with the nodes fastest: the commit still runs
+    the C++ op (counted) on dense copies, with the reference's result."""
+    gen = torch.Generator().manual_seed(11)
+    b, n, h, dk, dv = 2, 7, 4, 16, 24
+    path = torch.tensor([[0, 2, 5, -1], [0, 1, -1, -1]])
+    k = F.normalize(torch.randn(b, n, h, dk, generator=gen), dim=-1)
+    u = torch.randn(b, h, dv, n, generator=gen).permute(0, 3, 1, 2)  # (b, n, h, dv), nodes fastest
+    G = -torch.rand(b, h, n, generator=gen).cumsum(2).transpose(1, 2)  # (b, n, h)
+    assert u.stride(-1) != 1 and G.stride(-1) != 1
+    state = torch.randn(b, h, dk, dv, generator=gen)
+    want = state.clone()
+    delta_replay(want, k, u, G, path, impl="ref")
+    calls = []
+
+    class Counted:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(cpu_ops, name)
+
+    monkeypatch.setattr("stree.kernels.replay.cpu_ops.ops", lambda: Counted())
+    delta_replay(state, k, u, G, path)
+    assert calls == ["delta_replay_rows"]
+    torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_get_clear_errors(cpu_ops):
     def scan(start, parents):  # a two-node tree of 4 tokens, 2 heads, 1 group, state size 8
         cpu_ops.tree_scan_rows(torch.randn(4, 2, 4), torch.randn(4, 2), torch.randn(4, 1, 8), torch.randn(4, 1, 8),

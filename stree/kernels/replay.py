@@ -102,11 +102,16 @@ def _ssm_replay_triton(ssm_state, x, dt, A, B, path):
     )
 
 
-def _cpu_op(path, *tensors) -> bool:
-    """Whether ``csrc/replay.cpp`` takes this commit: fp32 CPU tensors with dense last axes and a
-    contiguous path, outside a compiled graph (which fuses the reference instead)."""
-    return (not torch.compiler.is_compiling() and path.is_contiguous() and path.dtype == torch.int64
-            and all(t.stride(-1) == 1 for t in tensors) and cpu_ops.usable(*tensors))
+def _cpu_args(path, *acts, state=None) -> tuple[torch.Tensor, ...] | None:
+    """The activations ``acts`` as ``csrc/replay.cpp`` reads them (dense last axes), or None where
+    it does not take this commit: fp32 CPU tensors, a contiguous int64 path and a ``state``
+    (updated in place) with a dense last axis, outside a compiled graph (which fuses the reference
+    instead). A compiled tree step may return activations nodes fastest (its triangular solve's
+    layout), which would send every commit to the reference (0.9 ms a step over the Gated
+    DeltaNet target's six layers); a tree's activations are small, so a copy costs microseconds."""
+    ok = (not torch.compiler.is_compiling() and path.is_contiguous() and path.dtype == torch.int64
+          and (state is None or (state.stride(-1) == 1 and cpu_ops.usable(state))) and cpu_ops.usable(*acts))
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in acts) if ok else None
 
 
 def _table(table, make):
@@ -163,8 +168,8 @@ def ssm_replay(ssm_state, x, dt, A, B, path, impl="auto", tables=None):
         _check_ssm_args(ssm_state, x, dt, A, B, path)
     if use_triton(impl, ssm_state):
         _ssm_replay_triton(ssm_state, x, dt, A, B, path)
-    elif impl == "auto" and _cpu_op(path, ssm_state, x, dt, A, B):
-        cpu_ops.ops().ssm_replay_rows(ssm_state, x, dt, A, B, path)
+    elif impl == "auto" and (acts := _cpu_args(path, x, dt, A, B, state=ssm_state)) is not None:
+        cpu_ops.ops().ssm_replay_rows(ssm_state, *acts, path)
     else:
         _ssm_replay_ref(ssm_state, x, dt, A, B, path, tables)
 
@@ -207,8 +212,9 @@ def conv_replay(conv_state, xbc, path, index=None, impl="auto"):
     b, c, w = conv_state.shape
     if path.shape[1] == 0:
         return
-    if impl == "auto" and _cpu_op(path, xbc) and cpu_ops.usable(conv_state):
-        cpu_ops.ops().conv_replay_rows(conv_state, xbc, path)
+    # the conv window's layout is the op's to read (channels fastest, as the cache keeps it)
+    if impl == "auto" and cpu_ops.usable(conv_state) and (acts := _cpu_args(path, xbc)) is not None:
+        cpu_ops.ops().conv_replay_rows(conv_state, *acts, path)
         return
     index = _table(index, lambda: conv_replay_index(path, w))
     # src (b, w + n, c): committed columns, then the tree nodes (conv_state^T is contiguous)
@@ -243,8 +249,8 @@ def delta_replay(state, k, u, G, path, tables=None, impl="auto") -> None:
         impl: "auto" (on the CPU the C++ ``delta_replay_rows`` for fp32 tensors; elsewhere the
             batched products) or "ref" (the batched products).
     """
-    if impl == "auto" and _cpu_op(path, state, k, u, G):
-        cpu_ops.ops().delta_replay_rows(state, k, u, G, path)
+    if impl == "auto" and (acts := _cpu_args(path, k, u, G, state=state)) is not None:
+        cpu_ops.ops().delta_replay_rows(state, *acts, path)
         return
     rows, node, valid = _table(tables, lambda: path_tables(path))
     f32 = torch.float32
