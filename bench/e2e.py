@@ -93,7 +93,7 @@ class Method:
             m = cls.parse(spec[:-len(COMPILED)])
             if not m.compilable:
                 raise ValueError(f"{spec!r}: compile applies to methods {COMPILED_METHODS} with a "
-                                 "static drafter")
+                                 "static, suffix or merged drafter (or auto over static ones)")
             return replace(m, label=spec, compile=True)
         body, _, verifier = spec.partition("@")
         kind, _, rest = body.partition(":")
@@ -113,7 +113,7 @@ class Method:
         from stree.draft import parse_drafter
 
         return self.method in COMPILED_METHODS and (
-            self.drafter is None or parse_drafter(self.drafter).layered)
+            self.drafter is None or parse_drafter(self.drafter).compilable)
 
 
 @dataclass
@@ -127,6 +127,7 @@ class BenchConfig:
     methods: list[Method]
     device: str
     dtype: str
+    draft_dtype: str
     seed: int
     out: Path
     no_prepack: bool = False
@@ -160,6 +161,9 @@ def parse_args(argv=None) -> BenchConfig:
                     help="ar | ar-tree | chain:K | tree:SPEC | unrolled:SPEC, the last three optionally "
                          "@VERIFIER (default: %(default)s)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--draft-dtype", choices=list(DTYPES), default=None,
+                    help="the draft model's dtype (default: --dtype's); bf16 halves the bytes a draft "
+                         "level streams, where the CPU multiplies bf16 natively")
     ap.add_argument("--dtype", choices=list(DTYPES), default=None,
                     help="default bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--seed", type=int, default=0,
@@ -190,7 +194,7 @@ def parse_args(argv=None) -> BenchConfig:
     dtype = a.dtype or ("bf16" if torch.device(a.device).type == "cuda" else "fp32")
     return BenchConfig(target=target, draft=draft, prompts=a.prompts, limit=a.limit,
                        max_new_tokens=a.max_new_tokens, temperatures=a.temperatures, methods=methods,
-                       device=a.device, dtype=dtype, seed=a.seed, out=a.out,
+                       device=a.device, dtype=dtype, draft_dtype=a.draft_dtype or dtype, seed=a.seed, out=a.out,
                        no_prepack=a.no_prepack, prompt_tokens=a.prompt_tokens, repeat=a.repeat,
                        suffix_cache=a.suffix_cache, batch=a.batch)
 
@@ -423,19 +427,21 @@ def main(argv=None) -> int:
     prepack = not cfg.no_prepack
     target = load_model(cfg.target, device, dtype, prepack=prepack)
     needs_draft = any(m.drafter and m.draft_model for m in cfg.methods)
-    draft = load_model(cfg.draft, device, dtype, prepack=prepack) if needs_draft else None
+    draft = load_model(cfg.draft, device, DTYPES[cfg.draft_dtype], prepack=prepack) if needs_draft else None
     eos = default_eos(cfg.target, tokenizer)
     summary, per_prompt = [], []
     for prompt_set in cfg.prompts:
         prompts = requests(encode_prompts(cfg, prompt_set, tokenizer, device), cfg.batch)
         meta = dict(metadata(device), torch_threads=torch.get_num_threads(), dtype=cfg.dtype,
+                    draft_dtype=cfg.draft_dtype,
                     target_dir=cfg.target, draft_dir=cfg.draft if needs_draft else None,
                     prompt_set=prompt_set, limit=cfg.limit, n_prompts=len(prompts) * cfg.batch,
                     batch=cfg.batch,
                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_token_id=eos, prepack=prepack,
                     repeat=cfg.repeat, suffix_cache=cfg.suffix_cache,
                     prompt_tokens=cfg.prompt_tokens if prompt_set == "heldout-code" else None)
-        print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} | "
+        print(f"# {meta['device']} | commit {meta['commit']} | {meta['date']} | {cfg.dtype} "
+              f"(draft {cfg.draft_dtype}) | "
               f"{meta['torch_threads']} torch threads | {meta['n_prompts']} prompts of {prompt_set}, "
               f"batch {cfg.batch} | "
               f"max {cfg.max_new_tokens} new tokens")

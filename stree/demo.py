@@ -47,15 +47,16 @@ def methods(device: torch.device, compile: bool = False) -> list[tuple[str, str,
     """(label, generate method, drafter) of the rows, the draft model's tree chosen for the
     device: the model's own decoding, chain SD, STree with the draft's tree, with a suffix tree
     alone (no draft model) and ``auto`` (the draft's trees and suffix trees, chosen per step).
-    Suffix trees have no fixed template, so ``compile`` leaves their rows out."""
+    ``auto`` over suffix trees does not compile (``stree.generate``'s ``compile``), so
+    ``compile`` leaves its row out."""
     from stree.generation import default_drafter
 
     tree = default_drafter("tree", device)
     rows = [("autoregressive (model's own)", "ar", None), ("chain SD (K=4)", "chain", "chain:4"),
-            (f"STree ({tree.removeprefix('static:')})", "tree", tree)]
+            (f"STree ({tree.removeprefix('static:')})", "tree", tree),
+            ("STree (suffix:16, no draft)", "tree", "suffix:16")]
     if not compile:
-        rows += [("STree (suffix:16, no draft)", "tree", "suffix:16"),
-                 ("STree (auto: draft + suffix)", "tree", "auto")]
+        rows.append(("STree (auto: draft + suffix)", "tree", "auto"))
     return rows
 
 
@@ -171,7 +172,7 @@ def run(args) -> int:
         print(f"{name:<32}{s.new_tokens:>8}{s.tau:>8.2f}{s.tokens_per_s:>10.1f}"
               f"{s.tokens_per_s / base:>7.2f}x{s.draft_s:>9.2f}{s.verify_s:>10.2f}{s.replay_s:>10.2f}")
     if args.compile:
-        print("(suffix trees and auto have no fixed tree template: not compiled, rows left out)")
+        print("(auto over suffix trees does not compile: row left out)")
     same = all(len(t) == 1 for t in texts)
     print("\nall texts identical per prompt (lossless at temperature 0):", "YES" if same else "NO")
     return 0 if same else 1

@@ -51,6 +51,9 @@ from stree.verify import default_verifier, get_verifier
 
 METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
 COMPILED_METHODS = ("tree", "chain", "ar-tree", "ar")
+# Compiled, the target's trees of a drafter whose sizes vary (suffix, merged) run padded to a
+# multiple of this many nodes: one graph per padded size (a merged tree of up to 24 nodes: 3)
+PAD_NODES = 8
 
 
 def default_drafter(method: str, device: torch.device | str | None = None) -> str:
@@ -118,8 +121,9 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             (``torch.compile(fullgraph=True)`` with frozen weights, see :mod:`stree.capture`;
             attention then reads the cache's whole K/V capacity under its mask): one graph per
             model, template shape and capacity (capacities double from 512, so a run sees a
-            few), compiled on first use and kept on the model. Static-shape drafters and
-            methods "tree", "chain", "ar-tree"; with "ar", the model's own decoding step
+            few), compiled on first use and kept on the model. Static, suffix and merged drafters
+            (trees of varying size run padded to a multiple of ``PAD_NODES`` nodes; ``"auto"``
+            over static ones) and methods "tree", "chain", "ar-tree"; with "ar", the model's own decoding step
             compiled on a static cache (``stree.hybrid`` models; :mod:`stree.native`). Where
             torch.compile is unavailable: a RuntimeWarning and eager steps.
         suffix_cache: a :class:`stree.SuffixCache` of earlier outputs, shared by the calls it is
@@ -204,7 +208,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
         with timed(stats, "prefill_s", device):
             caches = turn.start(seqlen)
     side = (_UnrolledTarget(target, b, drafter.max_leaves, seqlen) if method == "unrolled"
-            else _PackedTarget(target, b, seqlen, caches[0]))
+            else _PackedTarget(target, b, seqlen, caches[0],
+                               PAD_NODES if compile and not drafter.layered else 1, drafter.num_nodes))
     drafting = _DraftSide(draft if drafter.uses_draft_model else None, drafter, b, seqlen, stats, compile,
                           caches[1])
     with torch.inference_mode(), (capture.compiled(target, drafting.model) if compile
@@ -233,7 +238,7 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
     With no verifier, the drafter's preferred mode and its default lossless verifier. With a
     verifier, top-k children where it is lossless with them (greedy sampling, naive), else the
     first sampled mode it accepts. Raises ValueError for a pair that would not be lossless, and
-    with ``compile`` for a method or drafter without a fixed tree template.
+    with ``compile`` for a method or drafter whose draft shapes vary (``Drafter.compilable``).
     """
     if method in ("ar", "ar-tree"):
         if drafter is not None or verifier is not None:
@@ -262,9 +267,10 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
     if name in ("sps", "asps") and drafter.num_nodes != drafter.depth + 1:
         raise ValueError(f"the {name!r} verifier needs a chain drafter, got {drafter.name!r}; "
                          "use 'mss' or 'naive' for trees")
-    if compile and (method not in COMPILED_METHODS or not drafter.layered):
-        raise ValueError(f"compile=True needs a fixed tree template: methods {COMPILED_METHODS} "
-                         f"with a static drafter, got method {method!r}, drafter {drafter.name!r}")
+    if compile and (method not in COMPILED_METHODS or not drafter.compilable):
+        raise ValueError(f"compile=True needs fixed draft shapes: methods {COMPILED_METHODS} with a "
+                         f"static, suffix or merged drafter (or auto over static ones), got method {method!r}, "
+                         f"drafter {drafter.name!r}")
     return drafter.with_mode(mode), verifier
 
 
@@ -356,9 +362,10 @@ class _DraftSide:
     next draft runs as its lead (in its roots' pass) or, where it takes none or the backlog is
     longer than ``MAX_LEAD``, which is prefilled in one call when the model next drafts.
 
-    Compiled (``compile``), a draft that takes a lead has a graph with a lead beside the one
-    without; both are compiled at the first draft, so that the first step whose draft is behind
-    (usually the first with every node accepted) does not stop to compile mid-generation."""
+    Compiled (``compile``), a draft that takes a lead has a graph per lead width beside the one
+    without (a lead of one token, the accepted node of a never-run deepest level; with suffix
+    nodes merged in, every width ``lead_tensor`` makes); all are compiled at the first draft, so
+    that no step whose draft is behind stops to compile mid-generation."""
 
     def __init__(self, model, drafter: Drafter, batch_size: int, max_seqlen: int,
                  stats: GenerationStats, compile: bool = False, cache=None):
@@ -427,16 +434,17 @@ class _DraftSide:
                 self.backlog[r].extend(tokens[r][j:c])
 
     def _warm_lead(self, roots: Tensor, sampling: SamplingConfig) -> None:
-        """Compile the draft's graph with a one-token lead (the usual lead: the accepted node of
-        a never-run deepest level) on a scratch cache of the same shapes; a generator of its own
-        leaves the request's random stream as it was."""
+        """Compile the draft's graphs with a lead (see the class docstring) on a scratch cache
+        of the same shapes; a generator of its own leaves the request's random stream as it was."""
         self.unwarmed = False
         b, device = roots.shape[0], roots.device
-        scratch = self.model.allocate_tree_cache(b, self.cache.max_seqlen)
-        self.model.prefill(torch.zeros(b, 2, dtype=torch.long, device=device), scratch, logits=False)
-        generator = None if sampling.is_greedy else torch.Generator(device).manual_seed(0)
-        self.drafter.draft(self.model, scratch, roots, sampling, generator,
-                           lead=torch.zeros(b, 1, dtype=torch.long, device=device))
+        widths = [1 << i for i in range(MAX_LEAD.bit_length())] if self.drafter.reads_context else [1]
+        for width in widths:
+            scratch = self.model.allocate_tree_cache(b, self.cache.max_seqlen)
+            self.model.prefill(torch.zeros(b, 2, dtype=torch.long, device=device), scratch, logits=False)
+            generator = None if sampling.is_greedy else torch.Generator(device).manual_seed(0)
+            self.drafter.draft(self.model, scratch, roots, sampling, generator,
+                               lead=torch.zeros(b, width, dtype=torch.long, device=device))
 
     def _catch_up(self) -> None:
         """Prefill every row's backlog (the tokens committed since the draft last ran)."""
@@ -461,17 +469,40 @@ class _DraftSide:
 
 # ------------------------------------------------------------------------------ target sides
 class _PackedTarget:
-    """STree: the whole tree in one ``tree_forward``; commit replays the accepted path."""
+    """STree: the whole tree in one ``tree_forward``; commit replays the accepted path.
 
-    def __init__(self, model, batch_size: int, max_seqlen: int, cache=None):
+    With ``pad_nodes`` (compiled steps, trees of varying size up to ``max_nodes``) every tree runs
+    padded to a multiple of it, and each padded size's graph is compiled before the first tree,
+    so that no step stops to compile mid-generation."""
+
+    def __init__(self, model, batch_size: int, max_seqlen: int, cache=None, pad_nodes: int = 1,
+                 max_nodes: int = 1):
         self.model = model  # a given cache's rows hold a prefix of their prompts (stree.session)
         self.cache = cache if cache is not None else model.allocate_tree_cache(batch_size, max_seqlen)
+        self.pad_nodes, self.unwarmed = pad_nodes, pad_nodes > 1
+        self.max_nodes = max_nodes
 
     def prefill(self, prompts: list[Tensor]) -> Tensor:
         return _prefill(self.model, self.cache, prompts)
 
     def logits(self, tree: TokenTree) -> Tensor:
-        return self.model.tree_forward(tree, self.cache)
+        if self.pad_nodes == 1:  # (models wrapped by callers may not know the argument)
+            return self.model.tree_forward(tree, self.cache)
+        if self.unwarmed:
+            self._warm(tree)
+        return self.model.tree_forward(tree, self.cache, pad_nodes=self.pad_nodes)
+
+    def _warm(self, tree: TokenTree) -> None:
+        """Run a star of every padded size once from the committed state (its scratch is
+        overwritten by the next tree; nothing is committed)."""
+        self.unwarmed = False
+        roots = tree.tokens[:, :1]
+        for size in range(self.pad_nodes, self.max_nodes + self.pad_nodes, self.pad_nodes):
+            n = min(size, self.max_nodes)
+            if n > 1:
+                self.model.tree_forward(TokenTree(roots.expand(-1, n), [-1] + [0] * (n - 1)), self.cache,
+                                        pad_nodes=self.pad_nodes)
+        self.cache.pending = None
 
     def commit(self, tree: TokenTree, path: Tensor, counts: list[int]) -> None:
         # only the columns some row fills (a view): replay's work follows the accepted length,

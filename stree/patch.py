@@ -105,11 +105,14 @@ class TreeDecodingMixin:
         return out
 
     @torch.inference_mode()
-    def tree_forward(self, tree: TokenTree, cache: TreeCache, impl: str = "auto") -> torch.Tensor:
+    def tree_forward(self, tree: TokenTree, cache: TreeCache, impl: str = "auto", pad_nodes: int = 1) -> torch.Tensor:
         """Logits ``(b, n, vocab)`` for every node of ``tree`` from the committed state.
 
         Node i's logits are the model's next-token logits after the committed sequence followed by
         the root-to-i path. Committed state is not changed; ``cache.commit(path)`` advances it.
+        ``pad_nodes``: run a tree of more than one node padded to a multiple of this many nodes
+        (leaves under the root, their logits dropped), so that compiled steps, one graph per
+        tree size, serve trees of any size with a few graphs (where the cache has room).
         """
         if not isinstance(tree, TokenTree):
             raise TypeError(f"tree must be a stree.TokenTree, got {type(tree).__name__}")
@@ -118,20 +121,22 @@ class TreeDecodingMixin:
         vocab = _vocab_size(self)
         if tree.max_token is not None and tree.max_token >= vocab:  # host-side: no device sync
             raise ValueError(f"tree token {tree.max_token} out of range for vocab size {vocab}")
-        cache.reserve(tree.num_nodes)
         tree = tree if tree.device == cache.lengths.device else tree.to(cache.lengths.device)
+        run = _padded(tree, pad_nodes, cache)
+        cache.reserve(run.num_nodes)
         steps = _steps(self)
-        span = cache.capacity if steps.static else max(cache.seqlens) + tree.num_nodes
+        span = cache.capacity if steps.static else max(cache.seqlens) + run.num_nodes
         if tree.num_nodes == 1 and impl == "auto":
             # a root alone (a step with no drafts): the recurrence keeps the state after it, which
             # the commit copies in (no tree tables, no replay, no per-node state slots)
             tables = _tables(self, tree, None, cache.lengths, span)
             logits, acts = steps.root(self, tree.tokens, cache.states(), tables)
         else:
-            tables = _tables(self, tree, tree, cache.lengths, span)
-            logits, acts = steps.tree(self, tree.tokens, cache.states(), tables, impl)
+            tables = _tables(self, run, run, cache.lengths, span)
+            logits, acts = steps.tree(self, run.tokens, cache.states(), tables, impl)
+        # the padding's activations stay (no accepted path reaches them); its logits go
         cache.pending = PendingTree(tree, acts)
-        return logits
+        return logits[:, :tree.num_nodes]
 
     @torch.inference_mode()
     def level_forward(self, tree: TokenTree, cache: TreeCache, nodes: torch.Tensor, *,
@@ -266,6 +271,19 @@ def _forwarded(cache: TreeCache, pending: LevelPending, tree: TokenTree) -> None
     pending.tree = tree
     pending.forwarded_depth = tree.max_depth
     cache.pending = pending
+
+
+def _padded(tree: TokenTree, pad_nodes: int, cache: TreeCache) -> TokenTree:
+    """``tree`` with leaves under its root (the root's token) up to a multiple of ``pad_nodes``
+    nodes; ``tree`` itself for a root alone, when it already is one, or when the padding would
+    pass the cache's ``max_seqlen``."""
+    n, b = tree.num_nodes, tree.batch_size
+    size = -(-n // pad_nodes) * pad_nodes
+    if n == 1 or size == n or max(cache.seqlens) + size > cache.max_seqlen:
+        return tree
+    tokens = torch.cat([tree.tokens, tree.tokens[:, :1].expand(b, size - n)], 1)
+    parents = torch.cat([tree.parents.cpu(), torch.zeros(b, size - n, dtype=torch.long)], 1)
+    return TokenTree(tokens, parents, max_nodes=size)
 
 
 def _steps(model) -> Steps:

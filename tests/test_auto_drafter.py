@@ -408,7 +408,7 @@ def test_generate_auto_is_lossless(tmp_path, monkeypatch):
 
 
 def test_compile_refuses_auto_with_dynamic_candidates():
-    with pytest.raises(ValueError, match="fixed tree template"):
+    with pytest.raises(ValueError, match="fixed draft shapes"):
         resolve("tree", "auto", None, SamplingConfig(), compile=True, device="cuda")  # dyspec
     static_only = AutoDrafter(("chain:2", "static:fig4a"))
     assert static_only.layered

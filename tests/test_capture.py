@@ -216,8 +216,81 @@ def test_compiled_draft_compiles_its_lead_graph_at_its_first_draft(monkeypatch, 
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_padded_tree_gives_the_trees_logits_and_commit():
+    """``tree_forward(pad_nodes=8)``: a 5-node tree runs as 8 nodes; its logits, and the state
+    committed along a path, equal the unpadded tree's."""
+    model = _model()
+    tree = TokenTree(torch.tensor([[4, 7, 1, 9, 2], [3, 3, 8, 5, 6]]), PARENTS)
+    path = torch.tensor([[0, 2, 4], [0, 1, -1]])
+    out = []
+    for pad in (1, 8):
+        cache = _prefilled(model)
+        logits = model.tree_forward(tree, cache, pad_nodes=pad)
+        cache.commit(path, [3, 2])
+        out.append((logits, model.tree_forward(TokenTree(torch.tensor([[5], [6]]), [-1]), cache)))
+    assert out[1][0].shape == (2, 5, VOCAB)
+    for want, got in zip(*out):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ["suffix:16", "caterpillar:2,2,2+suffix:16"])
+def test_generate_compiled_trees_of_varying_size_equal_eager_and_compile_up_front(monkeypatch, drafter):
+    """Suffix and merged trees vary in size: compiled, they run padded to multiples of
+    ``PAD_NODES``, every padded size compiled before the first tree (and every lead width of
+    the draft with its first draft), so a second request compiles nothing; tokens equal eager."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    target = _model()
+    draft = stree.patch(make_hybrid((), seed=11))
+    kw = dict(max_new_tokens=16, drafter=drafter)
+    prompts = [torch.tensor([[5, 6, 7, 8, 9] * 4 + [5]]), torch.tensor([[2, 3, 2, 3, 4, 2, 3]])]
+    stree.generate(target, draft, prompts[1], compile=True, drafter=drafter, max_new_tokens=2)  # one step
+    graphs = counters["stats"]["unique_graphs"]
+    sizes, forward = set(), target.tree_forward
+
+    def recorded(tree, cache, **kw):
+        sizes.add(tree.num_nodes)
+        return forward(tree, cache, **kw)
+
+    monkeypatch.setattr(target, "tree_forward", recorded, raising=False)
+    for prompt in prompts:
+        compiled = stree.generate(target, draft, prompt, compile=True, **kw)
+        eager = stree.generate(target, draft, prompt, **kw)
+        assert compiled.sequences.tolist() == eager.sequences.tolist()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert len(sizes) > 3 and max(sizes) > 8, sizes  # trees of several padded sizes ran
+
+
+def test_a_merged_draft_compiles_every_lead_width_at_its_first_draft(monkeypatch):
+    """A merged tree's accepted suffix nodes reach the draft as leads of 1 to ``MAX_LEAD``
+    tokens (``lead_tensor``'s widths): compiled, the first draft compiles them all, so a later
+    lead of any width compiles nothing."""
+    from torch._dynamo.utils import counters
+    from stree.draft import parse_drafter
+    from stree.draft.base import MAX_LEAD, lead_tensor
+    from stree.generation import _DraftSide
+    from stree.sampling import SamplingConfig
+    from stree.stats import GenerationStats
+
+    monkeypatch.setattr(capture, "BACKEND", "aot_eager")
+    draft = stree.patch(make_hybrid((), seed=11))
+    drafter = parse_drafter("caterpillar:2,2,2+suffix:16")
+    greedy, roots = SamplingConfig(), torch.tensor([3])
+    side = _DraftSide(draft, drafter, 1, 64, GenerationStats("tree"), compile=True)
+    with capture.compiled(draft):
+        side.prefill([torch.tensor([1, 2, 3])])
+        side.draft(roots, greedy, None)
+        graphs = counters["stats"]["unique_graphs"]
+        for count in range(1, MAX_LEAD + 1):
+            cache = draft.allocate_tree_cache(1, 64)
+            draft.prefill(torch.tensor([[1, 2]]), cache, logits=False)
+            drafter.draft(draft, cache, roots, greedy, None, lead=lead_tensor([[4] * count]))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compile_refuses_dynamic_drafters():
-    with pytest.raises(ValueError, match="compile=True needs a fixed tree template"):
+    with pytest.raises(ValueError, match="compile=True needs fixed draft shapes"):
         stree.generate(_model(), _model(), torch.tensor([[1, 2]]), 4, drafter="dyspec:8",
                        compile=True)
 

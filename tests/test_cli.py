@@ -71,7 +71,7 @@ def copy_model(tmp_path, src=TARGET, name="m"):
     (["--tree", "static:fig4a", "--verifier", "greedy", "--temperature", "1"], "greedy verifier"),
     (["--method", "chain", "--tree", "static:A"], "chain drafter"),
     (["--max-new-tokens", "-3"], "max-new-tokens must be >= 0"),
-    (["--tree", "dyspec:8", "--compile"], "compile=True needs a fixed tree template"),
+    (["--tree", "dyspec:8", "--compile"], "compile=True needs fixed draft shapes"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_bad_generation_options(capsys, extra, pattern):
     assert_error(capsys, gen(*extra), pattern)
@@ -390,8 +390,8 @@ def test_prepack_is_the_default_and_no_prepack_reaches_the_loader(tmp_path, monk
 @pytest.mark.parametrize("flag", [[], ["--compile"]])
 def test_demo_compile_reaches_every_generate_call(monkeypatch, capsys, flag):
     """``--compile`` compiles every row, the baseline too (what compiling does is tested in
-    tests/test_capture.py), and leaves out the suffix-tree rows, which have no fixed template;
-    here the calls are recorded and run eagerly."""
+    tests/test_capture.py), and leaves out ``auto``'s row, which does not compile over suffix
+    trees; here the calls are recorded and run eagerly."""
     import stree.generation
 
     real, seen = stree.generation.generate, []
@@ -404,7 +404,7 @@ def test_demo_compile_reaches_every_generate_call(monkeypatch, capsys, flag):
     rc, out, err = run(capsys, "demo", "--prompts", "1", "--max-new-tokens", "4", "--repeats", "1", *flag)
     assert rc == 0, err
     assert sorted(set(seen)) == [(m, bool(flag)) for m in ("ar", "chain", "tree")]
-    assert len(seen) == (6 if flag else 10)  # a warm-up and a timed run per row
+    assert len(seen) == (8 if flag else 10)  # a warm-up and a timed run per row
     assert ("every method compiled" if flag else "eager") in out
 
 

@@ -182,8 +182,6 @@ def test_errors_before_anything_runs(draft):
     assert target.calls == []  # refused before the prefill
     with pytest.raises(ValueError, match="suffix_cache goes with a drafter spec"):
         generate(target, None, PROMPTS, 8, drafter=SuffixDrafter(), suffix_cache=SuffixCache())
-    with pytest.raises(ValueError, match="compile=True needs a fixed tree template"):
-        generate(target, None, PROMPTS, 8, drafter="suffix:8", compile=True)
 
 
 def test_a_drafter_object_carries_its_own_cache(target):

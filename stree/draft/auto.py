@@ -423,7 +423,9 @@ class AutoDrafter(Drafter):
 
     @property
     def layered(self) -> bool:
-        # compile=True needs every draft to come from a fixed template, whichever is chosen
+        # compile=True needs every draft to come from a fixed template, whichever is chosen (its
+        # lead graphs are compiled by drafting with a lead before the first step, which a
+        # candidate without a draft model would refuse)
         return all(d.layered for d in self._drafters.values())
 
     @property

@@ -80,6 +80,13 @@ class Drafter(ABC):
         return True
 
     @property
+    def compilable(self) -> bool:
+        """Whether ``compile=True`` runs it: its draft model's calls have fixed shapes (a static
+        template, or no draft model). The target's trees of varying size (suffix, merged) run
+        padded to a few sizes (``tree_forward``'s ``pad_nodes``)."""
+        return self.layered
+
+    @property
     def mixes_chains(self) -> bool:
         """Whether some of its drafts are fixed-length sampled chains (mode ``"chain"``) and others
         trees, chosen before each draft: its default verifier at T > 0 is then ``mss+asps``."""

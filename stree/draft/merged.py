@@ -123,6 +123,10 @@ class MergedDrafter(Drafter):
         return False
 
     @property
+    def compilable(self) -> bool:
+        return self.base.compilable
+
+    @property
     def reads_context(self) -> bool:
         return True
 

@@ -218,6 +218,10 @@ class SuffixDrafter(Drafter):
         return False
 
     @property
+    def compilable(self) -> bool:
+        return True  # no draft model
+
+    @property
     def reads_context(self) -> bool:
         return True
 
