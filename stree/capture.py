@@ -1,5 +1,5 @@
 """Compiled decoding steps: ``torch.compile(fullgraph=True)`` of a patched model's tree forward
-(the target's verify step), draft level and whole static draft, for a fixed tree template.
+(the target's verify step), draft level and whole static draft.
 
 The steps (``stree.steps.tree_step`` / ``level_step`` / ``levels_step``) read only tensors: every
 table is built before them, and with ``static`` steps attention reads the whole ``max_seqlen`` key
@@ -7,7 +7,9 @@ span under the mask (per-row lengths stay on the device), so a template has fixe
 step has no host synchronisation. One graph is compiled per model and shape: the verify tree, each
 level width of the draft, and a greedy static draft whole (its levels and the choice of children
 between them: one call instead of one per level, 1.13 -> 0.82 ms for the shipped draft's
-``caterpillar:2,2,2`` on the project's CPU).
+``caterpillar:2,2,2`` on the project's CPU). Trees whose size varies (suffix and merged trees)
+reach the verify step padded to a few sizes (``tree_forward``'s ``pad_nodes``, set by
+``stree.generate``), so they too run on a few graphs.
 
 Inductor compiles with *freezing*: the weights are constants of the graph, so on a CPU its linear
 layers run on weights packed once (what :func:`stree.prepack_linears` does for eager code, which
