@@ -93,7 +93,7 @@ class Method:
             m = cls.parse(spec[:-len(COMPILED)])
             if not m.compilable:
                 raise ValueError(f"{spec!r}: compile applies to methods {COMPILED_METHODS} with a "
-                                 "static, suffix or merged drafter (or auto over them)")
+                                 "static, suffix or merged drafter (or auto over static ones)")
             return replace(m, label=spec, compile=True)
         body, _, verifier = spec.partition("@")
         kind, _, rest = body.partition(":")

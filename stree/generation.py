@@ -51,7 +51,7 @@ from stree.verify import default_verifier, get_verifier
 
 METHODS = ("tree", "chain", "ar", "ar-tree", "unrolled")
 COMPILED_METHODS = ("tree", "chain", "ar-tree", "ar")
-# Compiled, the target's trees of a drafter whose sizes vary (suffix, merged, auto) run padded to a
+# Compiled, the target's trees of a drafter whose sizes vary (suffix, merged) run padded to a
 # multiple of this many nodes: one graph per padded size (a merged tree of up to 24 nodes: 3)
 PAD_NODES = 8
 
@@ -122,8 +122,8 @@ def generate(target, draft, input_ids, max_new_tokens: int = 128, *, temperature
             attention then reads the cache's whole K/V capacity under its mask): one graph per
             model, template shape and capacity (capacities double from 512, so a run sees a
             few), compiled before the first step and kept on the model. Static, suffix and merged
-            drafters and ``"auto"`` over them (trees of varying size run padded to a multiple of
-            ``PAD_NODES`` nodes) and methods "tree", "chain", "ar-tree"; with "ar", the model's own decoding step
+            drafters (trees of varying size run padded to a multiple of ``PAD_NODES`` nodes;
+            ``"auto"`` over static ones) and methods "tree", "chain", "ar-tree"; with "ar", the model's own decoding step
             compiled on a static cache (``stree.hybrid`` models; :mod:`stree.native`). Where
             torch.compile is unavailable: a RuntimeWarning and eager steps.
         suffix_cache: a :class:`stree.SuffixCache` of earlier outputs, shared by the calls it is
@@ -269,7 +269,7 @@ def resolve(method: str, drafter, verifier, sampling: SamplingConfig, compile: b
                          "use 'mss' or 'naive' for trees")
     if compile and (method not in COMPILED_METHODS or not drafter.compilable):
         raise ValueError(f"compile=True needs fixed draft shapes: methods {COMPILED_METHODS} with a "
-                         f"static, suffix or merged drafter (or auto over them), got method {method!r}, "
+                         f"static, suffix or merged drafter (or auto over static ones), got method {method!r}, "
                          f"drafter {drafter.name!r}")
     return drafter.with_mode(mode), verifier
 
@@ -439,13 +439,12 @@ class _DraftSide:
         self.unwarmed = False
         b, device = roots.shape[0], roots.device
         widths = [1 << i for i in range(MAX_LEAD.bit_length())] if self.drafter.reads_context else [1]
-        for drafter in self.drafter.lead_drafters():
-            for width in widths:
-                scratch = self.model.allocate_tree_cache(b, self.cache.max_seqlen)
-                self.model.prefill(torch.zeros(b, 2, dtype=torch.long, device=device), scratch, logits=False)
-                generator = None if sampling.is_greedy else torch.Generator(device).manual_seed(0)
-                drafter.draft(self.model, scratch, roots, sampling, generator,
-                              lead=torch.zeros(b, width, dtype=torch.long, device=device))
+        for width in widths:
+            scratch = self.model.allocate_tree_cache(b, self.cache.max_seqlen)
+            self.model.prefill(torch.zeros(b, 2, dtype=torch.long, device=device), scratch, logits=False)
+            generator = None if sampling.is_greedy else torch.Generator(device).manual_seed(0)
+            self.drafter.draft(self.model, scratch, roots, sampling, generator,
+                               lead=torch.zeros(b, width, dtype=torch.long, device=device))
 
     def _catch_up(self) -> None:
         """Prefill every row's backlog (the tokens committed since the draft last ran)."""
@@ -494,9 +493,9 @@ class _PackedTarget:
         return self.model.tree_forward(tree, self.cache, pad_nodes=self.pad_nodes)
 
     def _warm(self, tree: TokenTree) -> None:
-        """Run a root alone (a step that drafts nothing: a suffix tree without a match, ``auto``
-        off) and a star of every padded size once from the committed state (their scratch is
-        overwritten by the next tree; nothing is committed)."""
+        """Run a root alone (a suffix tree without a match) and a star of every padded size once
+        from the committed state (their scratch is overwritten by the next tree; nothing is
+        committed)."""
         self.unwarmed = False
         # strides of a root-only tree's own tokens (compiled graphs guard on them)
         roots = tree.tokens[:, :1].clone(memory_format=torch.contiguous_format)

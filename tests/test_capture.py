@@ -233,21 +233,16 @@ def test_a_padded_tree_gives_the_trees_logits_and_commit():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("drafter", ["suffix:16", "caterpillar:2,2,2+suffix:16",
-                                     ("caterpillar:2,2,2", "suffix:16", "caterpillar:2,2,2+suffix:16", "off")])
+@pytest.mark.parametrize("drafter", ["suffix:16", "caterpillar:2,2,2+suffix:16"])
 def test_generate_compiled_trees_of_varying_size_equal_eager_and_compile_up_front(monkeypatch, drafter):
     """Suffix and merged trees vary in size: compiled, they run padded to multiples of
     ``PAD_NODES``, every padded size compiled before the first tree (and every lead width of
-    the draft with its first draft; ``auto``: of each candidate that runs the draft), so a
-    second request compiles nothing; tokens equal eager."""
-    from stree.draft.auto import AutoDrafter
+    the draft with its first draft), so a second request compiles nothing; tokens equal eager."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(capture, "BACKEND", "aot_eager")
     target = _model()
     draft = stree.patch(make_hybrid((), seed=11))
-    if isinstance(drafter, tuple):
-        drafter = AutoDrafter(drafter)
     kw = dict(max_new_tokens=16, drafter=drafter)
     prompts = [torch.tensor([[5, 6, 7, 8, 9] * 4 + [5]]), torch.tensor([[2, 3, 2, 3, 4, 2, 3]])]
     stree.generate(target, draft, prompts[1], compile=True, drafter=drafter, max_new_tokens=2)  # one step

@@ -423,14 +423,10 @@ class AutoDrafter(Drafter):
 
     @property
     def layered(self) -> bool:
+        # compile=True needs every draft to come from a fixed template, whichever is chosen (its
+        # lead graphs are compiled by drafting with a lead before the first step, which a
+        # candidate without a draft model would refuse)
         return all(d.layered for d in self._drafters.values())
-
-    @property
-    def compilable(self) -> bool:
-        return all(d.compilable for d in self._drafters.values())  # whichever is chosen
-
-    def lead_drafters(self) -> list[Drafter]:
-        return [d for d in self._drafters.values() if d.uses_draft_model]
 
     @property
     def max_leaves(self) -> int:

@@ -86,12 +86,6 @@ class Drafter(ABC):
         padded to a few sizes (``tree_forward``'s ``pad_nodes``)."""
         return self.layered
 
-    def lead_drafters(self) -> list["Drafter"]:
-        """The drafters that may draft with a lead (``takes_lead``): itself, or a picking
-        drafter's candidates that run the draft model. Compiled, ``stree.generate`` drafts with
-        each once per lead width before the first step (so none compiles mid-generation)."""
-        return [self]
-
     @property
     def mixes_chains(self) -> bool:
         """Whether some of its drafts are fixed-length sampled chains (mode ``"chain"``) and others
