@@ -435,14 +435,15 @@ class _DraftSide:
 
     def _warm_lead(self, roots: Tensor, sampling: SamplingConfig) -> None:
         """Compile the draft's graphs with a lead (see the class docstring) on a scratch cache
-        of the same shapes; a generator of its own leaves the request's random stream as it was."""
+        of the same shapes (a draft leaves its committed state as it was, so one serves every
+        width); a generator of its own leaves the request's random stream as it was."""
         self.unwarmed = False
         b, device = roots.shape[0], roots.device
+        scratch = self.model.allocate_tree_cache(b, self.cache.max_seqlen)
+        self.model.prefill(torch.zeros(b, 2, dtype=torch.long, device=device), scratch, logits=False)
+        generator = None if sampling.is_greedy else torch.Generator(device).manual_seed(0)
         widths = [1 << i for i in range(MAX_LEAD.bit_length())] if self.drafter.reads_context else [1]
         for width in widths:
-            scratch = self.model.allocate_tree_cache(b, self.cache.max_seqlen)
-            self.model.prefill(torch.zeros(b, 2, dtype=torch.long, device=device), scratch, logits=False)
-            generator = None if sampling.is_greedy else torch.Generator(device).manual_seed(0)
             self.drafter.draft(self.model, scratch, roots, sampling, generator,
                                lead=torch.zeros(b, width, dtype=torch.long, device=device))
 
